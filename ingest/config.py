@@ -1,0 +1,37 @@
+"""Configuration sections owned by the ingest layer (composed by ``scheduler.settings``)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+
+class KafkaConfig(BaseModel):
+    """Where telemetry flows: topic names and client tuning."""
+
+    topic: str = "undertow.telemetry"
+    """Topic that carries telemetry events (contract section 1)."""
+    dlq_topic: str = "undertow.telemetry.dlq"
+    """Topic that receives dead letters (and the table of the same name)."""
+    partitions: int = Field(default=4, ge=1)
+    """Partitions created for the telemetry topic on the embedded broker."""
+    group_id: str = "undertow-ingest"
+    """Consumer group of the ingest workers."""
+    session_timeout_ms: int = 6000
+    """Group session timeout; 6 s makes a Tansu group join take ~3 s instead of ~23 s."""
+    heartbeat_interval_ms: int = 2000
+    """Heartbeat interval of group members."""
+    max_message_bytes: int = 1 << 20
+    """Messages larger than this are dead-lettered with reason ``oversized``."""
+
+
+class IngestConfig(BaseModel):
+    """How the consumer batches, retries and reports."""
+
+    batch_size: int = Field(default=500, ge=1)
+    """Most records written in one database transaction."""
+    poll_timeout_ms: int = 200
+    """How long one poll waits for records."""
+    retry_initial_s: float = 0.2
+    """First backoff after a database error; doubles up to ``retry_max_s``."""
+    retry_max_s: float = 5.0
+    """Longest backoff between database retries."""

@@ -1,0 +1,140 @@
+"""The database foundation: the declarative ``Base`` every layer's tables use, engine and session
+factories, and the schema checks that tell a user to run ``undertow db upgrade``.
+
+SQLite runs in WAL mode with a busy timeout so a consumer, a worker and the API can share one
+file; PostgreSQL is used as is. Nothing is created at import time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import MetaData, create_engine, event
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+
+
+class Base(DeclarativeBase):
+    """Declarative base shared by every package's ``tables.py``."""
+
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class SchemaOutdated(RuntimeError):
+    """The database schema is behind the code; the message says what to run."""
+
+
+def make_engine(url: str, **kwargs: Any) -> Engine:
+    """Create an engine for ``url``; SQLite gets WAL, a busy timeout and foreign keys."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        if parsed.database and parsed.database != ":memory:":
+            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        kwargs.setdefault("connect_args", {"timeout": 30, "check_same_thread": False})
+        engine = create_engine(url, **kwargs)
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA synchronous=NORMAL")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.execute("PRAGMA busy_timeout=30000")
+            cur.close()
+
+        return engine
+    kwargs.setdefault("pool_pre_ping", True)
+    return create_engine(url, **kwargs)
+
+
+def session_factory(engine: Engine) -> sessionmaker[Session]:
+    """A session factory bound to ``engine`` (objects stay usable after commit)."""
+    return sessionmaker(bind=engine, expire_on_commit=False)
+
+
+@contextmanager
+def transaction(engine: Engine) -> Iterator[Session]:
+    """A session in one transaction: commit on success, roll back on error."""
+    with session_factory(engine)() as session, session.begin():
+        yield session
+
+
+def import_all_tables() -> MetaData:
+    """Import every package's ``tables`` module so ``Base.metadata`` is complete."""
+    import importlib
+
+    for name in ("ingest", "reward_models", "policy", "serving", "scheduler", "scheduler.api"):
+        try:
+            importlib.import_module(f"{name}.tables")
+        except ModuleNotFoundError as exc:
+            if exc.name not in (name, f"{name}.tables"):
+                raise
+    return Base.metadata
+
+
+def alembic_config(url: str) -> Any:
+    """An Alembic ``Config`` for ``url`` pointing at the project's static migrations."""
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return cfg
+
+
+def upgrade(url: str, revision: str = "heads") -> None:
+    """Migrate the database at ``url`` to ``revision`` (all branch heads by default)."""
+    from alembic import command
+
+    command.upgrade(alembic_config(url), revision)
+
+
+def downgrade(url: str, revision: str = "base") -> None:
+    """Migrate the database at ``url`` down to ``revision``."""
+    from alembic import command
+
+    command.downgrade(alembic_config(url), revision)
+
+
+def pending_heads(engine: Engine) -> set[str]:
+    """Heads of the migration scripts that the database has not reached."""
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    script = ScriptDirectory.from_config(alembic_config(str(engine.url)))
+    heads = set(script.get_heads())
+    with engine.connect() as conn:
+        current = set(MigrationContext.configure(conn).get_current_heads())
+    # A head counts as reached when the database is at it or past it on its branch.
+    reached: set[str] = set()
+    for rev in current:
+        reached.update(r.revision for r in script.iterate_revisions(rev, "base"))
+    return heads - reached
+
+
+def ensure_schema(engine: Engine, *, auto_upgrade: bool) -> None:
+    """Make sure the schema is current: upgrade it (embedded SQLite) or stop with a clear message."""
+    missing = pending_heads(engine)
+    if not missing:
+        return
+    if auto_upgrade:
+        upgrade(engine.url.render_as_string(hide_password=False))
+        return
+    raise SchemaOutdated(
+        f"The database schema at {engine.url.render_as_string(hide_password=True)} is behind this "
+        f"version of Undertow (missing migrations: {', '.join(sorted(missing))}). "
+        "Run `undertow db upgrade` to migrate it, then retry."
+    )

@@ -1,0 +1,133 @@
+"""Telemetry tables: sessions (rollouts) with their segments, signals, duplicates, dead letters
+and consumer offsets.
+
+Token ids are stored as little-endian int32 bytes, logprobs as float64 bytes (bit-exact for
+what the engine returned) and routed experts as the raw ``.npy`` bytes vLLM sent (decoded from
+base64): compact, and loaded straight into NumPy with :mod:`ingest.arrays`.
+Signals keep no foreign key to sessions: they may arrive before their session, and are joined
+by ``session_id`` whenever it arrives.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, DateTime, Float, ForeignKey, Integer, LargeBinary, String, Text
+from sqlalchemy.orm import Mapped, mapped_column, relationship
+
+from ingest.db import Base
+
+ID_LEN = 128
+
+
+class SessionRow(Base):
+    """One ``session.completed`` event: a model response as served in production."""
+
+    __tablename__ = "sessions"
+
+    session_id: Mapped[str] = mapped_column(String(ID_LEN), primary_key=True)
+    event_id: Mapped[str] = mapped_column(String(ID_LEN), unique=True)
+    user_id: Mapped[str | None] = mapped_column(String(ID_LEN), index=True)
+    occurred_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+    received_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    model: Mapped[str] = mapped_column(String(ID_LEN))
+    policy_version: Mapped[str] = mapped_column(String(ID_LEN), index=True)
+    group_id: Mapped[str | None] = mapped_column(String(ID_LEN), index=True)
+    candidate_index: Mapped[int | None] = mapped_column(Integer)
+    prompt_text: Mapped[str | None] = mapped_column(Text)
+    prompt_token_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
+    completion_text: Mapped[str] = mapped_column(Text, default="")
+    """Concatenated text of the assistant segments (what the model wrote)."""
+    num_completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    routed_experts: Mapped[bytes | None] = mapped_column(LargeBinary)
+    """Raw ``.npy`` bytes, shape ``[tokens, layers, top_k]`` as vLLM returns them."""
+    logprobs_mode: Mapped[str] = mapped_column(String(16), default="raw")
+    finish_reason: Mapped[str | None] = mapped_column(String(32))
+    latency_ms: Mapped[float | None] = mapped_column(Float)
+    extra: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    """Sampling parameters, files, and unknown payload fields, kept as sent."""
+
+    segments: Mapped[list[SegmentRow]] = relationship(
+        back_populates="session", order_by="SegmentRow.idx", cascade="all, delete-orphan"
+    )
+
+
+class SegmentRow(Base):
+    """One segment of a session, in order (system, user, assistant or tool)."""
+
+    __tablename__ = "session_segments"
+
+    session_id: Mapped[str] = mapped_column(
+        String(ID_LEN), ForeignKey("sessions.session_id", ondelete="CASCADE"), primary_key=True
+    )
+    idx: Mapped[int] = mapped_column(Integer, primary_key=True)
+    role: Mapped[str] = mapped_column(String(16))
+    text: Mapped[str | None] = mapped_column(Text)
+    token_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
+    logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)
+
+    session: Mapped[SessionRow] = relationship(back_populates="segments")
+
+
+class SignalRow(Base):
+    """Any event other than ``session.completed``: retention, selection, edits, switches, thumbs."""
+
+    __tablename__ = "signals"
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    event_id: Mapped[str] = mapped_column(String(ID_LEN), unique=True)
+    type: Mapped[str] = mapped_column(String(32), index=True)
+    session_id: Mapped[str | None] = mapped_column(String(ID_LEN), index=True)
+    user_id: Mapped[str | None] = mapped_column(String(ID_LEN), index=True)
+    group_id: Mapped[str | None] = mapped_column(String(ID_LEN), index=True)
+    occurred_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+    received_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    horizon_s: Mapped[int | None] = mapped_column(Integer)
+    """Retention horizon in seconds (``code.retained`` only)."""
+    value: Mapped[float | None] = mapped_column(Float)
+    """The signal's number: retained fraction, thumbs value, edit lines; type-specific."""
+    payload: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+
+
+class DuplicateRow(Base):
+    """A delivery of an ``event_id`` that was already stored; counted, never stored twice."""
+
+    __tablename__ = "duplicates"
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    event_id: Mapped[str] = mapped_column(String(ID_LEN), index=True)
+    topic: Mapped[str] = mapped_column(String(255))
+    partition: Mapped[int] = mapped_column(Integer)
+    offset: Mapped[int] = mapped_column(BigInteger)
+    received_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class DeadLetterRow(Base):
+    """A message that could not be accepted, with its raw bytes and a machine-readable reason."""
+
+    __tablename__ = "dead_letters"
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    topic: Mapped[str] = mapped_column(String(255))
+    partition: Mapped[int] = mapped_column(Integer)
+    offset: Mapped[int] = mapped_column(BigInteger)
+    key: Mapped[bytes | None] = mapped_column(LargeBinary)
+    value: Mapped[bytes | None] = mapped_column(LargeBinary)
+    reason: Mapped[str] = mapped_column(String(64), index=True)
+    detail: Mapped[str] = mapped_column(Text, default="")
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    replayed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    replay_count: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class ConsumerOffsetRow(Base):
+    """Next offset to read per group and partition, written in the same transaction as the rows."""
+
+    __tablename__ = "consumer_offsets"
+
+    group_id: Mapped[str] = mapped_column(String(255), primary_key=True)
+    topic: Mapped[str] = mapped_column(String(255), primary_key=True)
+    partition: Mapped[int] = mapped_column(Integer, primary_key=True)
+    next_offset: Mapped[int] = mapped_column(BigInteger)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

@@ -1,0 +1,1 @@
+"""Alembic environment and versions: one branch per package, static and reversible."""

@@ -1,0 +1,26 @@
+"""The ``undertow`` command line. Thin: parse, then import the heavy code inside each command.
+
+Each area registers its commands from its own module so the entry point stays small.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from scheduler.cli import api_cmds, db_cmds, demo_cmds, ingest_cmds, jobs_cmds, rewards_cmds, serving_cmds, weights_cmds
+
+app = typer.Typer(
+    name="undertow",
+    help="Online reinforcement learning from production telemetry.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+for module in (db_cmds, ingest_cmds, rewards_cmds, weights_cmds, serving_cmds, jobs_cmds, api_cmds, demo_cmds):
+    module.register(app)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()

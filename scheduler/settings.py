@@ -1,0 +1,115 @@
+"""The root settings tree: ``UNDERTOW_*`` environment variables over an optional ``undertow.toml``.
+
+Each layer owns a section (its ``config.py``); this module only composes them. Nothing is built
+at import time: call :func:`load_settings` and pass the sections down explicitly.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from ingest.config import IngestConfig, KafkaConfig
+from policy.config import PolicyConfig
+from reward_models.config import RewardsConfig
+from scheduler.config import ApiConfig, SchedulerConfig
+from serving.config import ServingConfig
+
+
+class Settings(BaseSettings):
+    """Everything Undertow can be configured with. Environment wins over ``undertow.toml``."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="UNDERTOW_",
+        env_nested_delimiter="__",
+        toml_file="undertow.toml",
+        extra="ignore",
+    )
+
+    home: Path = Path(".undertow")
+    """Working directory for the embedded stack: SQLite file, weights, artifacts, logs."""
+    database_url: str | None = None
+    """SQLAlchemy URL; default: a SQLite file (WAL) under ``home``. PostgreSQL in production."""
+    kafka_bootstrap: str | None = None
+    """Kafka bootstrap servers; default: the embedded broker started by the stack launcher."""
+    log_level: str = "INFO"
+    """Log level of the structured logs written to stderr."""
+    log_json: bool = False
+    """Write logs as JSON lines instead of the console renderer."""
+
+    kafka: KafkaConfig = Field(default_factory=KafkaConfig)
+    """Telemetry topics and Kafka client tuning."""
+    ingest: IngestConfig = Field(default_factory=IngestConfig)
+    """Consumer batching and retries."""
+    rewards: RewardsConfig = Field(default_factory=RewardsConfig)
+    """Reward labels, models and retraining."""
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    """Policy model, RL trainer and weight store."""
+    serving: ServingConfig = Field(default_factory=ServingConfig)
+    """Engines, gateway and deployment."""
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    """Celery, capacity planning and borrowing."""
+    api: ApiConfig = Field(default_factory=ApiConfig)
+    """The control plane API."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls))
+
+    @property
+    def resolved_database_url(self) -> str:
+        """The database URL in force: the configured one, or the embedded SQLite file."""
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{(self.home / 'undertow.db').resolve()}"
+
+    @property
+    def is_embedded_database(self) -> bool:
+        """True when no database URL was configured (the embedded SQLite default)."""
+        return not self.database_url
+
+    def resolved_kafka_bootstrap(self) -> str | None:
+        """The configured bootstrap servers, else those of a running embedded broker, else None."""
+        if self.kafka_bootstrap:
+            return self.kafka_bootstrap
+        state = self.home / "broker.json"
+        if state.exists():
+            return str(json.loads(state.read_text())["bootstrap"])
+        return None
+
+    def resolved(self) -> dict[str, Any]:
+        """The resolved configuration as plain data, recorded with every run."""
+        data = self.model_dump(mode="json")
+        data["database_url"] = _redact(self.resolved_database_url)
+        data["kafka_bootstrap"] = self.resolved_kafka_bootstrap()
+        return data
+
+
+def _redact(url: str) -> str:
+    """Hide a password in a database URL."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Build the settings from the environment and ``undertow.toml`` (overrides win)."""
+    settings = Settings(**overrides)
+    settings.home.mkdir(parents=True, exist_ok=True)
+    return settings
