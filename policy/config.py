@@ -2,7 +2,24 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
+
+
+class WeightsConfig(BaseModel):
+    """The versioned weight store: snapshots, deltas, retention."""
+
+    snapshot_every: int = Field(default=8, ge=1)
+    """Write a full snapshot every N versions (bounds delta chains); the others are deltas only."""
+    zstd_level: int = Field(default=9, ge=1, le=22)
+    """zstd level of the stored delta and snapshot streams."""
+    serving_dtype: str | None = "bfloat16"
+    """fp32/fp64 tensors are stored in this dtype (the bits the fleet serves); None keeps the checkpoint's."""
+    magnitude_classes: bool = True
+    """Split each tensor's changes into two magnitude classes of the base (smaller deltas, slower decode)."""
+    retain_last: int = Field(default=4, ge=1)
+    """Garbage collection keeps the newest N versions besides those replicas hold."""
+    stale_write_s: float = Field(default=3600.0, gt=0)
+    """An incomplete version directory (no manifest) older than this is a crashed write that GC removes."""
 
 
 class PolicyConfig(BaseModel):
@@ -12,3 +29,25 @@ class PolicyConfig(BaseModel):
     """Model preset: ``tiny``, ``small`` or a local Hugging Face MoE checkpoint directory."""
     weights_url: str = "weights"
     """Weight store location: a path under the Undertow home, or any fsspec URL."""
+    weights: WeightsConfig = Field(default_factory=WeightsConfig)
+    """Snapshots, deltas and retention of the weight store."""
+    checkpoints_dir: str = "policy"
+    """Where the trainer writes version checkpoints and its resumable state (relative: under the home)."""
+    seed: int = 0
+    """Seed of the warm-up and of offline RL (same seed, same weights, bit for bit on CPU)."""
+    sft_steps: int = Field(default=600, ge=1)
+    """Optimizer steps of the supervised warm-up that produces v0."""
+    rl_steps_per_version: int = Field(default=8, ge=1)
+    """Optimizer steps between two policy versions."""
+    rl_lr: float = Field(default=2e-3, gt=0)
+    """AdamW learning rate of the RL update."""
+    advantage: str = "grpo"
+    """Advantage estimator: ``grpo``, ``reinforce`` (group mean or running baseline) or ``rloo``."""
+    loss_level: str = "token"
+    """Policy-gradient ratio level: ``token`` (PPO/GRPO) or ``sequence`` (GSPO)."""
+    routing_replay: bool = True
+    """Replay the served routed experts in the training forward."""
+    max_staleness: int = Field(default=4, ge=0)
+    """Rollouts more than this many versions behind the trained policy are dropped and counted."""
+    threads: int = Field(default=1, ge=1)
+    """torch CPU threads of the trainer (fixed, so runs are bit-reproducible)."""

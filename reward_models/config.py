@@ -1,12 +1,124 @@
-"""Configuration sections owned by the reward-model layer."""
+"""Configuration sections owned by the reward-model layer (composed by ``scheduler.settings``).
+
+Default composite weights, and why (see :mod:`reward_models.labels`):
+
+- ``retention`` 0.5: what users keep is the outcome we care about; delayed but hard to game.
+- ``acceptance`` 0.25: immediate and dense, but users accept and then rewrite.
+- ``selection`` 0.15: a direct comparison between candidates, biased by display position.
+- ``switch`` 0.10: leaving the model is a strong, rare negative.
+- ``thumbs`` 0.0: explicit ratings reward flattery and agreement (sycophancy) more than working
+  code; they are collected and reported, but do not steer the policy unless a team opts in.
+- ``churn`` 0.0: user level, high bias (users leave for many reasons) and low variance; opt in.
+- judge dimensions 0.0: an LLM judge is another model's opinion; off until a team configures it.
+"""
 
 from __future__ import annotations
 
-from pydantic import BaseModel
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+
+class JudgeConfig(BaseModel):
+    """An optional LLM-as-judge signal scored by any OpenAI-compatible chat completions endpoint."""
+
+    enabled: bool = False
+    """Score sessions with the judge while labeling (off by default)."""
+    base_url: str = "http://127.0.0.1:8000/v1"
+    """Base URL of the OpenAI-compatible API (``/chat/completions`` is appended)."""
+    model: str = "judge"
+    """Model name sent in each request."""
+    api_key: str | None = None
+    """Bearer token, if the endpoint needs one."""
+    dimensions: dict[str, str] = Field(
+        default_factory=lambda: {
+            "correctness": "Is the code correct for the request? 10 = certainly correct, 0 = wrong.",
+            "style": "Is the code idiomatic, concise and readable? 10 = excellent, 0 = poor.",
+            "needless_questions": "Does the answer avoid needless questions to the user? 10 = none, 0 = only.",
+        }
+    )
+    """Rubric: one dimension per call, name -> instruction; the judge answers with a 0-10 score."""
+    timeout_s: float = 30.0
+    """Timeout of one judge call."""
+    max_sessions: int = Field(default=1000, ge=0)
+    """Most sessions judged per labeling run (calls are cached by content hash)."""
 
 
 class RewardsConfig(BaseModel):
-    """Reward labels, models and retraining (filled in by the reward-model package)."""
+    """Reward labels, models and retraining."""
 
     artifacts_dir: str = "reward_models"
     """Directory under the Undertow home where reward-model artifacts are stored."""
+
+    # Labels
+    retention_weights: dict[int, float] = Field(default_factory=lambda: {300: 1.0, 3600: 2.0, 86400: 4.0})
+    """Weight of each retention horizon (seconds) in the combined label: longer horizons weigh more."""
+    retention_grace_s: int = Field(default=3600, ge=0)
+    """How long after the longest horizon elapsed a missing measurement is awaited before finalizing."""
+    retention_require_final: bool = True
+    """Train only on sessions whose longest horizon was measured or has elapsed (no premature rejects)."""
+    positive_threshold: float = Field(default=0.5, ge=0.0, le=1.0)
+    """A retention or acceptance label at or above this counts as positive for the classifiers."""
+    churn_window_s: int = Field(default=7 * 86400, gt=0)
+    """Sessions of a churned user within this many seconds before the churn event get the churn label."""
+    position_correction: bool = True
+    """Weight selection pairs by inverse display-position propensity (corrects position bias)."""
+    weights: dict[str, float] = Field(
+        default_factory=lambda: {
+            "retention": 0.5,
+            "acceptance": 0.25,
+            "selection": 0.15,
+            "switch": 0.10,
+            "thumbs": 0.0,
+            "churn": 0.0,
+        }
+    )
+    """Composite reward weights per signal (judge dimensions as ``judge:<name>``); see module docstring."""
+    judge: JudgeConfig = Field(default_factory=JudgeConfig)
+    """Optional LLM judge signal."""
+
+    # Models
+    backend: Literal["sklearn", "torch"] = "sklearn"
+    """Reward-model backend: scikit-learn pipelines (default) or the torch reward head."""
+    hash_features: int = Field(default=1 << 18, ge=16)
+    """Width of the hashed text feature space (unigrams and bigrams of prompt and completion)."""
+    sgd_epochs: int = Field(default=8, ge=1)
+    """Passes over the data of the SGD classifiers (scikit-learn backend)."""
+    l2: float = Field(default=1e-3, gt=0)
+    """L2 regularization strength (SGD ``alpha``; torch weight decay)."""
+    bt_margin: float = Field(default=0.0, ge=0.0)
+    """Margin of the Bradley-Terry loss ``-log sigmoid(r_c - r_r - margin)`` (torch backend)."""
+    torch_epochs: int = Field(default=4, ge=1)
+    """Epochs of the torch reward head."""
+    torch_dim: int = Field(default=16, ge=1)
+    """Hidden width of the torch reward head."""
+    holdout_fraction: float = Field(default=0.2, gt=0.0, lt=1.0)
+    """Newest fraction of sessions (by time) held out for evaluation."""
+    min_train_rows: int = Field(default=20, ge=2)
+    """Fewest labeled training rows (or pairs) a model needs; fewer: that model is skipped with a reason."""
+    seed: int = 0
+    """Random seed of training."""
+
+    # Registry and promotion
+    promote_min_delta: float = 0.0
+    """A candidate is promoted only if its primary metric beats the current version's by more than this."""
+    min_auc_over_baseline: float = 0.02
+    """A candidate must beat the trivial baseline by this much on every head to be promotable."""
+
+    # Triggers and guards
+    retrain_min_new_labels: int = Field(default=500, ge=1)
+    """Retrain when at least this many labeled sessions arrived since the current version's window."""
+    retrain_interval_s: int = Field(default=6 * 3600, gt=0)
+    """Retrain when the current version is older than this."""
+    drift_psi_threshold: float = Field(default=0.2, gt=0)
+    """Retrain when the population stability index of recent scores vs the reference exceeds this."""
+    drift_ks_pvalue: float = Field(default=1e-3, gt=0, lt=1)
+    """Also flag drift when a two-sample KS test rejects equality at this p-value."""
+    drift_min_samples: int = Field(default=50, ge=5)
+    """Fewest recent scores needed before drift is measured."""
+    hacking_proxy_rise: float = Field(default=0.05, ge=0)
+    """Reward-hacking guard: proxy reward must rise by more than this across the window to count."""
+    hacking_real_drop: float = Field(default=0.03, ge=0)
+    """Reward-hacking guard: real retention must fall by more than this across the window to count."""
+    hacking_window: int = Field(default=3, ge=2)
+    """Reward-hacking guard: number of most recent policy versions compared."""

@@ -1,12 +1,98 @@
-"""Configuration sections owned by the serving layer."""
+"""Configuration sections owned by the serving layer: engines, gateway, fleet health and deployment."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
+
+
+class EngineConfig(BaseModel):
+    """The CPU reference engine (``undertow engine serve``)."""
+
+    host: str = "127.0.0.1"
+    """Interface the engine listens on."""
+    port: int = 8200
+    """Port the engine listens on."""
+    served_model_name: str = "undertow-policy"
+    """Model name reported by ``/v1/models`` and accepted in requests."""
+    enable_return_routed_experts: bool = True
+    """Attach ``routed_experts`` to every choice (vLLM's ``--enable-return-routed-experts``)."""
+    max_model_len: int = Field(default=2048, ge=8)
+    """Longest prompt plus completion, in tokens."""
+    max_tokens_limit: int = Field(default=512, ge=1)
+    """Largest ``max_tokens`` a request may ask for."""
+    max_n: int = Field(default=16, ge=1)
+    """Largest ``n`` (parallel samples) a request may ask for."""
+    threads: int = Field(default=1, ge=1)
+    """torch intra-op threads of the engine process."""
+
+
+class GatewayConfig(BaseModel):
+    """The user-facing gateway (``undertow gateway``)."""
+
+    host: str = "127.0.0.1"
+    """Interface the gateway listens on."""
+    max_body_bytes: int = Field(default=256 * 1024, ge=1024)
+    """Requests with a larger body are refused with 413."""
+    max_prompt_chars: int = Field(default=32_000, ge=1)
+    """Longest prompt text accepted (422 beyond)."""
+    max_candidates: int = Field(default=8, ge=1)
+    """Largest K for a candidate group."""
+    request_timeout_s: float = Field(default=120.0, gt=0)
+    """How long the gateway waits for an engine before answering 504."""
+    retries: int = Field(default=2, ge=0)
+    """Other replicas tried when one fails to answer (connection errors, 5xx)."""
+    fleet_refresh_s: float = Field(default=1.0, gt=0)
+    """How often the gateway reloads the set of replicas in rotation from the registry."""
+    spool_dir: str = "gateway-spool"
+    """Directory (under the Undertow home) of telemetry buffered while Kafka is unreachable."""
+    spool_max_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    """Bound of the on-disk telemetry buffer; the oldest events are dropped (and counted) beyond it."""
+    emit_queue_size: int = Field(default=10_000, ge=1)
+    """Events held in memory before they spill to disk."""
+
+
+class FleetConfig(BaseModel):
+    """The fleet registry and its health checks."""
+
+    health_interval_s: float = Field(default=2.0, gt=0)
+    """Seconds between two health checks of every replica."""
+    health_timeout_s: float = Field(default=2.0, gt=0)
+    """A replica that does not answer within this is unreachable."""
+    unhealthy_after: int = Field(default=2, ge=1)
+    """Consecutive failed checks before a replica leaves rotation."""
+
+
+class DeployConfig(BaseModel):
+    """Delta deployment: canary, progressive stages, the gate and rollback."""
+
+    canary_replicas: int = Field(default=1, ge=1)
+    """Replicas updated in the canary stage."""
+    stages: list[float] = Field(default_factory=lambda: [0.5, 1.0])
+    """Fractions of the fleet on the new version after each stage that follows the canary."""
+    gate_min_requests: int = Field(default=20, ge=1)
+    """Requests the new version must have served before a stage is judged."""
+    gate_max_wait_s: float = Field(default=60.0, gt=0)
+    """How long a stage waits for its minimum sample; not reaching it fails the gate."""
+    gate_max_error_rate_delta: float = Field(default=0.02, ge=0)
+    """Largest allowed rise of the error rate of the new version over the current one."""
+    gate_max_latency_ratio: float = Field(default=1.5, gt=0)
+    """Largest allowed ratio of the new version's p50 latency to the current one's."""
+    gate_max_acceptance_drop: float = Field(default=0.05, ge=0)
+    """Largest allowed drop of the acceptance proxy (accepts over accepts plus rejects)."""
+    pause_timeout_s: float = Field(default=60.0, gt=0)
+    """Longest a replica may take to drain in-flight requests when paused."""
 
 
 class ServingConfig(BaseModel):
-    """Engines, gateway and deployment (filled in by the serving package)."""
+    """Engines, gateway and deployment."""
 
     gateway_port: int = 8100
     """Port the gateway listens on."""
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    """The CPU reference engine."""
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    """The user-facing gateway."""
+    fleet: FleetConfig = Field(default_factory=FleetConfig)
+    """Fleet registry and health checks."""
+    deploy: DeployConfig = Field(default_factory=DeployConfig)
+    """Delta deployment with canary and rollback."""

@@ -118,6 +118,7 @@ def upgrade() -> None:
         sa.Column("partition", sa.Integer(), nullable=False),
         sa.Column("next_offset", sa.BigInteger(), nullable=False),
         sa.Column("updated_at", TS, nullable=False),
+        sa.Column("cluster_id", sa.String(255), nullable=True),
         sa.PrimaryKeyConstraint("group_id", "topic", "partition", name=op.f("pk_consumer_offsets")),
     )
 

@@ -7,7 +7,17 @@ from __future__ import annotations
 
 import typer
 
-from scheduler.cli import api_cmds, db_cmds, demo_cmds, ingest_cmds, jobs_cmds, rewards_cmds, serving_cmds, weights_cmds
+from scheduler.cli import (
+    api_cmds,
+    config_cmds,
+    db_cmds,
+    demo_cmds,
+    ingest_cmds,
+    jobs_cmds,
+    rewards_cmds,
+    serving_cmds,
+    weights_cmds,
+)
 
 app = typer.Typer(
     name="undertow",
@@ -17,7 +27,17 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-for module in (db_cmds, ingest_cmds, rewards_cmds, weights_cmds, serving_cmds, jobs_cmds, api_cmds, demo_cmds):
+for module in (
+    db_cmds,
+    config_cmds,
+    ingest_cmds,
+    rewards_cmds,
+    weights_cmds,
+    serving_cmds,
+    jobs_cmds,
+    api_cmds,
+    demo_cmds,
+):
     module.register(app)
 
 

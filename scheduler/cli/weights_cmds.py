@@ -1,9 +1,200 @@
-"""Commands of this area (registered on the root undertow app)."""
+"""``undertow weights``: list, diff, verify, put and garbage-collect the versioned weight store."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
 import typer
+
+if TYPE_CHECKING:
+    from policy.weights import WeightStore
+    from scheduler.settings import Settings
+
+weights_app = typer.Typer(help="Versioned policy weights: snapshots and bit-exact deltas.", no_args_is_help=True)
+
+
+def open_store(settings: Settings) -> WeightStore:
+    """The weight store the settings point at (a relative path lives under the Undertow home)."""
+    from policy.weights import WeightStore
+
+    url = settings.policy.weights_url
+    if "://" not in url and not Path(url).is_absolute():
+        url = str(settings.home / url)
+    return WeightStore(url, settings.policy.weights)
+
+
+def _in_use(settings: Settings) -> set[str]:
+    """Versions the fleet's replicas hold, when the serving layer exposes them."""
+    try:
+        from serving import fleet
+    except ImportError:
+        return set()
+    getter = getattr(fleet, "versions_in_use", None)
+    return set(getter(settings)) if callable(getter) else set()
+
+
+@weights_app.command("list")
+def list_versions(as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")) -> None:
+    """List complete versions with their artifacts and sizes."""
+    from scheduler.cli.common import print_json, setup
+
+    store = open_store(setup())
+    rows: list[dict[str, Any]] = [
+        {
+            "version": m.version,
+            "parent": m.parent,
+            "created_at": m.created_at,
+            "tensors": len(m.tensors),
+            "raw_bytes": m.total_bytes(),
+            "full_bytes": m.full.bytes if m.full else None,
+            "delta_bytes": m.delta.bytes if m.delta else None,
+            "version_hash": m.version_hash,
+        }
+        for m in store.manifests()
+    ]
+    if as_json:
+        print_json({"store": store.url, "versions": rows})
+        return
+    for row in rows:
+        typer.echo(
+            f"{row['version']}  parent={row['parent'] or '-'}  full={row['full_bytes'] or '-'}  "
+            f"delta={row['delta_bytes'] or '-'}  hash={row['version_hash'][:16]}"
+        )
+
+
+@weights_app.command("diff")
+def diff(
+    a: str = typer.Argument(..., help="Base version."),
+    b: str = typer.Argument(..., help="Target version."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Per tensor: how many elements changed between A and B and the encoded delta size."""
+    import numpy as np
+
+    from policy.weights.codec import encode_tensor
+    from policy.weights.format import magnitude_mask
+    from scheduler.cli.common import print_json, setup
+
+    store = open_store(setup())
+    ma, mb = store.manifest(a), store.manifest(b)
+    chain_a, chain_b = store.chain(a), store.chain(b)
+    rows: list[dict[str, Any]] = []
+    for name, meta in mb.tensors.items():
+        old = ma.tensors.get(name)
+        target = store.words(b, name, chain_b)
+        base = store.words(a, name, chain_a) if old and old.dtype == meta.dtype and old.shape == meta.shape else None
+        changed = int(np.count_nonzero(base ^ target)) if base is not None else target.size
+        encoded = encode_tensor(base, target, magnitude_mask(meta.dtype), level=store.config.zstd_level)
+        rows.append(
+            {
+                "tensor": name,
+                "changed": changed,
+                "numel": target.size,
+                "encoding": encoded.encoding,
+                "delta_bytes": len(encoded.payload),
+                "raw_bytes": target.nbytes,
+            }
+        )
+    removed = [n for n in ma.tensors if n not in mb.tensors]
+    summary = {
+        "a": a,
+        "b": b,
+        "changed": sum(r["changed"] for r in rows),
+        "numel": sum(r["numel"] for r in rows),
+        "delta_bytes": sum(r["delta_bytes"] for r in rows),
+        "raw_bytes": sum(r["raw_bytes"] for r in rows),
+        "removed": removed,
+    }
+    if as_json:
+        print_json({**summary, "tensors": rows})
+        return
+    for r in rows:
+        if r["changed"]:
+            typer.echo(f"{r['tensor']}: {r['changed']}/{r['numel']} changed, {r['encoding']} {r['delta_bytes']} B")
+    typer.echo(
+        f"total: {summary['changed']}/{summary['numel']} changed, delta {summary['delta_bytes']} B "
+        f"of {summary['raw_bytes']} B; removed {removed or 'none'}"
+    )
+
+
+@weights_app.command("verify")
+def verify(
+    version: str = typer.Argument(..., help="Version to verify (every artifact, every tensor)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Rebuild a version from each of its artifacts and check every checksum; exit 1 on any failure."""
+    from policy.weights import WeightsError
+    from scheduler.cli.common import print_json, setup
+
+    store = open_store(setup())
+    result: dict[str, object] = {"version": version, "ok": True, "checked": []}
+    try:
+        manifest = store.manifest(version)
+        checked: list[str] = []
+        if manifest.full:
+            reader = store.open_full(version)
+            for name in manifest.tensors:
+                reader.words(name)
+            checked.append("full")
+        if manifest.delta:
+            for name in manifest.tensors:
+                store.words(version, name, [*store.chain(manifest.delta.base), manifest])
+            checked.append("delta")
+        result["checked"] = checked
+    except WeightsError as err:
+        result.update(ok=False, error=str(err))
+    if as_json:
+        print_json(result)
+    else:
+        typer.echo(f"{version}: {'ok' if result['ok'] else 'FAILED: ' + str(result.get('error'))}")
+    if not result["ok"]:
+        raise typer.Exit(1)
+
+
+@weights_app.command("put")
+def put(
+    checkpoint: Path = typer.Argument(..., help="Hugging Face checkpoint directory (model.safetensors)."),
+    version: str = typer.Option(None, help="Version id (default: the next sequence number)."),
+    full: bool = typer.Option(None, "--full/--delta", help="Force or skip a full snapshot (default: every N)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Add a checkpoint to the store as the newest version (delta from the latest)."""
+    from scheduler.cli.common import print_json, setup
+
+    store = open_store(setup())
+    manifest = store.put(checkpoint, version=version, full=full, meta={"source": str(checkpoint)})
+    out = {
+        "version": manifest.version,
+        "parent": manifest.parent,
+        "full_bytes": manifest.full.bytes if manifest.full else None,
+        "delta_bytes": manifest.delta.bytes if manifest.delta else None,
+    }
+    print_json(out) if as_json else typer.echo(str(out))
+
+
+@weights_app.command("gc")
+def gc(
+    keep: list[str] = typer.Option([], "--keep", help="A version some replica still holds (repeatable)."),
+    retain: int = typer.Option(None, help="Keep the newest N versions (default: config retain_last)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Only print what would be deleted."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Delete versions no replica needs (held ones, the newest N and their chains are kept)."""
+    from dataclasses import asdict
+
+    from policy.weights import collect
+    from scheduler.cli.common import print_json, setup
+
+    settings = setup()
+    store = open_store(settings)
+    plan = collect(store, set(keep) | _in_use(settings), retain_last=retain, dry_run=dry_run)
+    if as_json:
+        print_json({"dry_run": dry_run, **asdict(plan)})
+    else:
+        typer.echo(f"kept {plan.keep}; {'would delete' if dry_run else 'deleted'} {plan.delete + plan.incomplete}")
 
 
 def register(app: typer.Typer) -> None:
-    """Attach this area's commands to the root app."""
+    """Attach the ``weights`` group."""
+    app.add_typer(weights_app, name="weights")

@@ -1,0 +1,374 @@
+"""The ingest consumer: poll a batch, validate, write idempotently, store offsets, then commit.
+
+One batch is one database transaction holding the stored events, the duplicates, the dead
+letters and the next offset of every partition in the batch (``consumer_offsets``). The database
+is the source of truth for where to resume: on every partition assignment the consumer seeks to
+the stored offset, so a consumer killed at any point re-reads exactly what it had not committed,
+and nothing is stored twice. Kafka's group offsets are committed afterwards for lag tools only.
+
+Faults:
+- bad input: a dead letter (table, then the ``dlq`` topic) with raw bytes, topic, partition,
+  offset and reason; the partition keeps flowing.
+- database unavailable: the batch is retried with exponential backoff; nothing is committed
+  anywhere until it succeeds, so nothing is lost.
+- broker restart (the embedded broker keeps topics in memory): the client reconnects and the
+  topics are created again. Offsets are stored with the Kafka cluster id, which the embedded
+  broker draws fresh at every start: a new id means a new log, read from its beginning (records
+  read twice around the switch are counted as duplicates, never stored twice or lost).
+- ``SIGTERM``: the batch in hand is finished and committed, then the consumer exits.
+
+Two modes: ``group`` (subscribe; a consumer group spreads partitions over processes) and
+``assign`` (every partition of the topic, no group join: immediate, used by ``--once``).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from kafka import ConsumerRebalanceListener
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+
+from ingest import schemas
+from ingest.config import IngestConfig, KafkaConfig
+from ingest.db import transaction
+from ingest.writer import DeadLetter, Delivery, WriteResult, load_offsets, store_offsets, write_dead_letters, write_events
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class BatchReport:
+    """What one committed batch contained (passed to ``on_commit``)."""
+
+    records: int
+    stored: int
+    duplicates: int
+    dead_letters: int
+    committed_at: float
+    """``time.time()`` right after the database commit."""
+    timestamps_ms: list[int] = field(default_factory=list)
+    """Kafka record timestamps (producer create time) of the batch."""
+    stored_ids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ConsumerStats:
+    """Totals since the consumer started."""
+
+    records: int = 0
+    stored: int = 0
+    duplicates: int = 0
+    dead_letters: int = 0
+    batches: int = 0
+    db_retries: int = 0
+
+
+def _is_transient(exc: BaseException) -> bool:
+    """A database error worth retrying: the connection or the server, not the statement."""
+    if isinstance(exc, OperationalError | InterfaceError):
+        return True
+    return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
+
+
+class IngestConsumer:
+    """Consume telemetry into the database (see the module docstring for guarantees)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        bootstrap: str,
+        kafka: KafkaConfig,
+        ingest: IngestConfig,
+        *,
+        mode: str = "group",
+        on_commit: Callable[[BatchReport], None] | None = None,
+    ) -> None:
+        if mode not in ("group", "assign"):
+            raise ValueError(f"mode must be 'group' or 'assign', not {mode!r}")
+        self.engine = engine
+        self.bootstrap = bootstrap
+        self.kafka = kafka
+        self.cfg = ingest
+        self.mode = mode
+        self.on_commit = on_commit
+        self.stats = ConsumerStats()
+        self._stop = threading.Event()
+        self._consumer: Any = None
+        self._dlq: Any = None
+        self._cluster: str | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask the loop to finish the batch in hand, commit it and return."""
+        self._stop.set()
+
+    def install_signal_handlers(self) -> None:
+        """Stop cleanly on SIGTERM and SIGINT (main thread only)."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stop())
+
+    def _ensure_topics(self) -> None:
+        from ingest.embedded import create_topics
+
+        if self.cfg.create_topics:
+            create_topics(self.bootstrap, {self.kafka.topic: self.kafka.partitions, self.kafka.dlq_topic: 1})
+
+    def _open(self) -> None:
+        from kafka import KafkaConsumer, KafkaProducer
+
+        self._ensure_topics()
+        fetch_bytes = max(4 * self.kafka.max_message_bytes, 1 << 20)
+        self._consumer = KafkaConsumer(
+            bootstrap_servers=self.bootstrap,
+            group_id=self.kafka.group_id,
+            client_id="undertow-ingest",
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            session_timeout_ms=self.kafka.session_timeout_ms,
+            heartbeat_interval_ms=self.kafka.heartbeat_interval_ms,
+            max_poll_records=self.cfg.batch_size,
+            max_partition_fetch_bytes=fetch_bytes,
+            fetch_max_bytes=max(fetch_bytes, 52428800),
+            receive_message_max_bytes=max(2 * fetch_bytes, 104857600),
+            metadata_max_age_ms=5000,
+        )
+        self._dlq = KafkaProducer(
+            bootstrap_servers=self.bootstrap,
+            acks="all",
+            enable_idempotence=False,
+            linger_ms=5,
+            max_request_size=max(2 * self.kafka.max_message_bytes, 16 << 20),
+            client_id="undertow-ingest-dlq",
+        )
+        self._consumer.topics()  # first metadata: the cluster id
+        self._cluster = self._cluster_now()
+        if self.mode == "group":
+            self._consumer.subscribe([self.kafka.topic], listener=_SeekToStored(self))
+        else:
+            self._assign_all()
+
+    def _cluster_now(self) -> str | None:
+        """The cluster id in the client's latest metadata."""
+        return self._consumer._client.cluster.cluster_id  # type: ignore[no-any-return]
+
+    def _check_cluster(self) -> None:
+        """A new cluster id: the broker restarted with an empty log; read it from the beginning."""
+        now = self._cluster_now()
+        if not now or now == self._cluster:
+            return
+        log.warning("ingest.new_cluster", old=self._cluster, new=now, topic=self.kafka.topic)
+        self._cluster = now
+        self._ensure_topics()
+        if self.mode == "assign":
+            self._assign_all()
+        else:
+            assigned = list(self._consumer.assignment())
+            if assigned:
+                self._consumer.seek_to_beginning(*assigned)
+
+    def _partitions(self) -> list[Any]:
+        from kafka import TopicPartition
+
+        deadline = time.monotonic() + 20
+        while True:
+            parts = self._consumer.partitions_for_topic(self.kafka.topic)
+            if parts:
+                return [TopicPartition(self.kafka.topic, p) for p in sorted(parts)]
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Topic {self.kafka.topic!r} has no partitions on {self.bootstrap}.")
+            self._ensure_topics()
+            self._consumer.topics()  # refresh metadata
+            time.sleep(0.2)
+
+    def _assign_all(self) -> None:
+        tps = self._partitions()
+        self._consumer.assign(tps)
+        self.seek_to_stored(tps)
+
+    def seek_to_stored(self, tps: list[Any]) -> None:
+        """Position each partition at the offset stored with the rows (else Kafka's, else earliest)."""
+        with transaction(self.engine) as session:
+            every = load_offsets(session, self.kafka.group_id, self.kafka.topic)
+            stored = load_offsets(session, self.kafka.group_id, self.kafka.topic, cluster_id=self._cluster)
+        for tp in tps:
+            if tp.partition in stored:
+                self._consumer.seek(tp, stored[tp.partition])
+            elif tp.partition in every:  # stored against a log that is gone
+                self._consumer.seek_to_beginning(tp)
+        log.info("ingest.assigned", partitions=[tp.partition for tp in tps], stored=stored, cluster=self._cluster)
+
+    def close(self) -> None:
+        """Close the Kafka clients (nothing is committed here: batches commit as they finish)."""
+        if self._consumer is not None:
+            self._consumer.close(autocommit=False)
+            self._consumer = None
+        if self._dlq is not None:
+            self._dlq.close(timeout=5)
+            self._dlq = None
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def run(self, once: bool = False, max_seconds: float | None = None) -> ConsumerStats:
+        """Consume until stopped (or, with ``once``, until caught up with every partition)."""
+        from kafka.errors import KafkaError
+
+        self._open()
+        started = time.monotonic()
+        last_topic_check = time.monotonic()
+        broker_delay = self.cfg.retry_initial_s
+        try:
+            while not self._stop.is_set():
+                if max_seconds is not None and time.monotonic() - started > max_seconds:
+                    break
+                try:
+                    if self._step(once, time.monotonic() - last_topic_check > self.cfg.topic_check_s):
+                        break
+                    broker_delay = self.cfg.retry_initial_s
+                except KafkaError as exc:  # the broker is away: the client reconnects by itself
+                    log.warning("ingest.broker_unavailable", error=str(exc)[:200], retry_in_s=round(broker_delay, 2))
+                    self._stop.wait(broker_delay)
+                    broker_delay = min(broker_delay * 2, self.cfg.retry_max_s)
+                if time.monotonic() - last_topic_check > self.cfg.topic_check_s:
+                    last_topic_check = time.monotonic()
+        finally:
+            self.close()
+        log.info("ingest.stopped", **vars(self.stats))
+        return self.stats
+
+    def _step(self, once: bool, check_topics: bool) -> bool:
+        """One poll and its batch; True when ``once`` is done."""
+        self._check_cluster()
+        cluster = self._cluster
+        batch = self._consumer.poll(timeout_ms=self.cfg.poll_timeout_ms, max_records=self.cfg.batch_size)
+        records = [r for part in batch.values() for r in part]
+        if records:
+            self._process(records, cluster)
+            return False
+        if once and self._caught_up():
+            return True
+        if check_topics:
+            self._recover_topics()
+        return False
+
+    def _caught_up(self) -> bool:
+        """True when every assigned partition's position has reached its end offset."""
+        assigned = list(self._consumer.assignment())
+        if not assigned:
+            return False
+        ends = self._consumer.end_offsets(assigned)
+        return all(self._consumer.position(tp) >= ends[tp] for tp in assigned)
+
+    def _recover_topics(self) -> None:
+        """After a broker restart the topics may be gone: create them and re-assign if needed."""
+        if self.kafka.topic in self._consumer.topics():
+            return
+        log.warning("ingest.topic_missing", topic=self.kafka.topic, bootstrap=self.bootstrap)
+        self._ensure_topics()
+        if self.mode == "assign":
+            self._assign_all()
+
+    def _process(self, records: list[Any], cluster: str | None) -> None:
+        deliveries: list[Delivery] = []
+        letters: list[DeadLetter] = []
+        offsets: dict[tuple[str, int], int] = {}
+        for rec in records:
+            offsets[(rec.topic, rec.partition)] = rec.offset + 1
+            value = rec.value if rec.value is not None else b""
+            try:
+                event = schemas.parse_event(value, self.kafka.max_message_bytes)
+            except schemas.InvalidEvent as exc:
+                letters.append(DeadLetter(rec.topic, rec.partition, rec.offset, rec.key, value, exc.reason, exc.detail))
+                continue
+            deliveries.append(Delivery(event, rec.topic, rec.partition, rec.offset))
+        result = self._write(deliveries, letters, offsets, cluster)
+        if result is None:  # stopped while the database was away: nothing committed, nothing lost
+            return
+        committed_at = time.time()
+        self.stats.records += len(records)
+        self.stats.stored += result.stored
+        self.stats.duplicates += result.duplicates
+        self.stats.dead_letters += len(letters)
+        self.stats.batches += 1
+        for dl in letters:
+            self._dlq.send(self.kafka.dlq_topic, key=dl.key, value=dl.value, headers=_dlq_headers(dl))
+        self._commit_kafka(offsets)
+        if self.on_commit is not None:
+            self.on_commit(
+                BatchReport(
+                    records=len(records),
+                    stored=result.stored,
+                    duplicates=result.duplicates,
+                    dead_letters=len(letters),
+                    committed_at=committed_at,
+                    timestamps_ms=[r.timestamp for r in records],
+                    stored_ids=result.stored_ids,
+                )
+            )
+
+    def _write(
+        self,
+        deliveries: list[Delivery],
+        letters: list[DeadLetter],
+        offsets: dict[tuple[str, int], int],
+        cluster: str | None,
+    ) -> WriteResult | None:
+        """One transaction; transient database errors are retried with backoff until it commits."""
+        delay = self.cfg.retry_initial_s
+        while True:
+            try:
+                with transaction(self.engine) as session:
+                    result = write_events(session, deliveries)
+                    write_dead_letters(session, letters)
+                    store_offsets(session, self.kafka.group_id, offsets, cluster)
+                return result
+            except DBAPIError as exc:
+                if not _is_transient(exc):
+                    raise
+                self.stats.db_retries += 1
+                log.warning("ingest.db_unavailable", error=str(exc.orig)[:200], retry_in_s=round(delay, 2))
+                if self._stop.wait(delay):
+                    return None
+                delay = min(delay * 2, self.cfg.retry_max_s)
+
+    def _commit_kafka(self, offsets: dict[tuple[str, int], int]) -> None:
+        """Mirror the stored offsets to Kafka's group offsets (best effort: the database is the truth)."""
+        from kafka import OffsetAndMetadata, TopicPartition
+        from kafka.errors import KafkaError
+
+        try:
+            self._consumer.commit(
+                {TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in offsets.items()}
+            )
+        except KafkaError as exc:
+            log.warning("ingest.kafka_commit_failed", error=str(exc)[:200])
+
+
+def _dlq_headers(dl: DeadLetter) -> list[tuple[str, bytes]]:
+    return [
+        ("reason", dl.reason.encode()),
+        ("source_topic", dl.topic.encode()),
+        ("source_partition", str(dl.partition).encode()),
+        ("source_offset", str(dl.offset).encode()),
+    ]
+
+
+class _SeekToStored(ConsumerRebalanceListener):  # type: ignore[misc]
+    """Rebalance listener: on assignment, seek to the offsets stored with the rows."""
+
+    def __init__(self, owner: IngestConsumer) -> None:
+        self.owner = owner
+
+    def on_partitions_revoked(self, revoked: Any) -> None:
+        """Nothing to do: every batch is committed before the next poll."""
+
+    def on_partitions_assigned(self, assigned: Any) -> None:
+        if assigned:
+            self.owner.seek_to_stored(list(assigned))

@@ -1,0 +1,305 @@
+"""Idempotent, batched writes of validated events, keyed on ``event_id``.
+
+``session.completed`` becomes a :class:`~ingest.tables.SessionRow` with its segments; every other
+type becomes a :class:`~ingest.tables.SignalRow` with its type-specific number in ``value``
+(:func:`signal_value`). An ``event_id`` already stored, or seen earlier in the same batch, is
+recorded in ``duplicates`` and never stored twice. So is a second ``session.completed`` for a
+``session_id`` already stored under another ``event_id`` (a producer that re-sent a session with a
+fresh id): a session is one rollout and is stored once.
+
+Safety against a concurrent writer comes from ``INSERT .. ON CONFLICT DO NOTHING RETURNING``
+(SQLite 3.35+ and PostgreSQL): whatever a racing transaction stored first is counted as a
+duplicate here. The consumer calls :func:`write_events`, :func:`write_dead_letters` and
+:func:`store_offsets` in one transaction, so rows and offsets commit together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import Table, select, union_all
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from ingest import schemas
+from ingest.arrays import pack_floats, pack_ids
+from ingest.tables import ConsumerOffsetRow, DeadLetterRow, DuplicateRow, SegmentRow, SessionRow, SignalRow
+
+_CHUNK = 500
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One validated event and where it was read from (``topic=""`` when it came from elsewhere)."""
+
+    event: schemas.Event
+    topic: str = ""
+    partition: int = -1
+    offset: int = -1
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """A message that broke the contract: raw bytes, where it was read, and why."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    reason: str
+    detail: str = ""
+
+
+@dataclass
+class WriteResult:
+    """What one batch did: events stored, deliveries counted as duplicates, their event ids."""
+
+    stored: int = 0
+    duplicates: int = 0
+    stored_ids: list[str] = field(default_factory=list)
+    duplicate_ids: list[str] = field(default_factory=list)
+
+
+def _insert(session: Session, table: Table) -> Any:
+    """A dialect ``INSERT`` that supports ``ON CONFLICT``."""
+    name = session.get_bind().dialect.name
+    if name == "postgresql":
+        return postgresql.insert(table)
+    if name == "sqlite":
+        return sqlite.insert(table)
+    raise RuntimeError(f"Unsupported database dialect {name!r}: use SQLite or PostgreSQL.")
+
+
+def _utc(ts: datetime) -> datetime:
+    return ts.astimezone(UTC)
+
+
+def signal_value(event: schemas.Event) -> float | None:
+    """The number a signal carries in ``signals.value``.
+
+    ``code.retained``: lines_retained / lines_written (None when nothing was written);
+    ``feedback.thumbs``: +1 or -1; ``edit.*``: lines; ``candidates.shown``: K;
+    ``user.churned``: inactive days; otherwise None.
+    """
+    payload = event.payload
+    if isinstance(payload, schemas.CodeRetainedPayload):
+        return payload.lines_retained / payload.lines_written if payload.lines_written else None
+    if isinstance(payload, schemas.ThumbsPayload):
+        return float(payload.value)
+    if isinstance(payload, schemas.EditPayload):
+        return float(payload.lines) if payload.lines is not None else None
+    if isinstance(payload, schemas.CandidatesShownPayload):
+        return float(len(payload.session_ids))
+    if isinstance(payload, schemas.ChurnedPayload):
+        return float(payload.inactive_days)
+    return None
+
+
+def signal_row(event: schemas.Event, received_at: datetime) -> dict[str, Any]:
+    """Column values of a ``signals`` row for a non-session event."""
+    payload = event.payload
+    group_id = getattr(payload, "group_id", None) if event.type in (schemas.CANDIDATES_SHOWN, schemas.CANDIDATE_SELECTED) else None
+    return {
+        "event_id": event.event_id,
+        "type": event.type,
+        "session_id": event.session_id,
+        "user_id": event.user_id,
+        "group_id": group_id,
+        "occurred_at": _utc(event.occurred_at),
+        "received_at": received_at,
+        "horizon_s": payload.horizon_s if isinstance(payload, schemas.CodeRetainedPayload) else None,
+        "value": signal_value(event),
+        "payload": payload.model_dump(mode="json", exclude_none=True),
+    }
+
+
+def session_rows(event: schemas.SessionCompleted, received_at: datetime) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Column values of the ``sessions`` row and its ``session_segments`` rows."""
+    p = event.payload
+    assistant = [s for s in p.segments if s.role == "assistant"]
+    extra: dict[str, Any] = dict(p.model_extra or {})
+    if p.sampling is not None:
+        extra["sampling"] = p.sampling.model_dump(mode="json", exclude_none=True)
+    if p.files is not None:
+        extra["files"] = [f.model_dump(mode="json") for f in p.files]
+    if p.prompt.model_extra:
+        extra["prompt_extra"] = dict(p.prompt.model_extra)
+    if any(s.model_extra for s in p.segments):
+        extra["segment_extra"] = [dict(s.model_extra or {}) for s in p.segments]
+    row = {
+        "session_id": event.session_id,
+        "event_id": event.event_id,
+        "user_id": event.user_id,
+        "occurred_at": _utc(event.occurred_at),
+        "received_at": received_at,
+        "model": p.model,
+        "policy_version": p.policy_version,
+        "group_id": p.group_id,
+        "candidate_index": p.candidate_index,
+        "prompt_text": p.prompt.text,
+        "prompt_token_ids": pack_ids(p.prompt.token_ids),
+        "completion_text": "".join(s.text or "" for s in assistant),
+        "num_completion_tokens": sum(len(s.token_ids or ()) for s in assistant),
+        "routed_experts": schemas.routed_experts_npy(p.routed_experts) if p.routed_experts else None,
+        "logprobs_mode": (p.sampling.logprobs_mode if p.sampling and p.sampling.logprobs_mode else "raw"),
+        "finish_reason": p.finish_reason,
+        "latency_ms": p.latency_ms,
+        "extra": extra,
+    }
+    segments = [
+        {
+            "session_id": event.session_id,
+            "idx": i,
+            "role": s.role,
+            "text": s.text,
+            "token_ids": pack_ids(s.token_ids),
+            "logprobs": pack_floats(s.logprobs),
+        }
+        for i, s in enumerate(p.segments)
+    ]
+    return row, segments
+
+
+def existing_event_ids(session: Session, event_ids: Iterable[str]) -> set[str]:
+    """Which of ``event_ids`` are already stored (as a session or a signal)."""
+    ids = list(event_ids)
+    found: set[str] = set()
+    for start in range(0, len(ids), _CHUNK):
+        chunk = ids[start : start + _CHUNK]
+        query = union_all(
+            select(SessionRow.event_id).where(SessionRow.event_id.in_(chunk)),
+            select(SignalRow.event_id).where(SignalRow.event_id.in_(chunk)),
+        )
+        found.update(session.execute(query).scalars())
+    return found
+
+
+def write_events(
+    session: Session, deliveries: Sequence[Delivery | schemas.Event], received_at: datetime | None = None
+) -> WriteResult:
+    """Store each event once; count every other delivery of an ``event_id`` as a duplicate."""
+    received_at = received_at or datetime.now(UTC)
+    items = [d if isinstance(d, Delivery) else Delivery(d) for d in deliveries]
+    result = WriteResult()
+    if not items:
+        return result
+    already = existing_event_ids(session, {d.event.event_id for d in items})
+    fresh: dict[str, Delivery] = {}
+    dupes: list[Delivery] = []
+    for d in items:
+        if d.event.event_id in already or d.event.event_id in fresh:
+            dupes.append(d)
+        else:
+            fresh[d.event.event_id] = d
+
+    sessions: list[dict[str, Any]] = []
+    segments: dict[str, list[dict[str, Any]]] = {}
+    signals: list[dict[str, Any]] = []
+    for d in fresh.values():
+        if isinstance(d.event, schemas.SessionCompleted):
+            row, segs = session_rows(d.event, received_at)
+            if row["session_id"] in segments:  # the same session twice in one batch, under two event ids
+                continue  # counted below: not inserted
+            sessions.append(row)
+            segments[row["session_id"]] = segs
+        else:
+            signals.append(signal_row(d.event, received_at))
+
+    inserted: set[str] = set()
+    if sessions:
+        stmt = _insert(session, SessionRow.__table__).on_conflict_do_nothing().returning(SessionRow.event_id)
+        inserted.update(session.execute(stmt, sessions).scalars())
+        seg_rows = [seg for row in sessions if row["event_id"] in inserted for seg in segments[row["session_id"]]]
+        if seg_rows:
+            session.execute(SegmentRow.__table__.insert(), seg_rows)
+    if signals:
+        stmt = _insert(session, SignalRow.__table__).on_conflict_do_nothing().returning(SignalRow.event_id)
+        inserted.update(session.execute(stmt, signals).scalars())
+    dupes.extend(d for eid, d in fresh.items() if eid not in inserted)
+
+    if dupes:
+        session.execute(
+            DuplicateRow.__table__.insert(),
+            [
+                {
+                    "event_id": d.event.event_id,
+                    "topic": d.topic,
+                    "partition": d.partition,
+                    "offset": d.offset,
+                    "received_at": received_at,
+                }
+                for d in dupes
+            ],
+        )
+    result.stored = len(inserted)
+    result.stored_ids = [eid for eid in fresh if eid in inserted]
+    result.duplicates = len(dupes)
+    result.duplicate_ids = [d.event.event_id for d in dupes]
+    return result
+
+
+def write_dead_letters(session: Session, letters: Sequence[DeadLetter], created_at: datetime | None = None) -> int:
+    """Store dead letters with their raw bytes and reason; returns how many."""
+    if not letters:
+        return 0
+    created_at = created_at or datetime.now(UTC)
+    session.execute(
+        DeadLetterRow.__table__.insert(),
+        [
+            {
+                "topic": dl.topic,
+                "partition": dl.partition,
+                "offset": dl.offset,
+                "key": dl.key,
+                "value": dl.value,
+                "reason": dl.reason,
+                "detail": dl.detail[:4000],
+                "created_at": created_at,
+                "replayed_at": None,
+                "replay_count": 0,
+            }
+            for dl in letters
+        ],
+    )
+    return len(letters)
+
+
+def store_offsets(
+    session: Session, group_id: str, offsets: Mapping[tuple[str, int], int], cluster_id: str | None = None
+) -> None:
+    """Upsert the next offset to read per ``(topic, partition)`` for ``group_id`` (on ``cluster_id``'s log)."""
+    if not offsets:
+        return
+    now = datetime.now(UTC)
+    rows = [
+        {"group_id": group_id, "topic": t, "partition": p, "next_offset": o, "updated_at": now, "cluster_id": cluster_id}
+        for (t, p), o in offsets.items()
+    ]
+    stmt = _insert(session, ConsumerOffsetRow.__table__)
+    stmt = stmt.on_conflict_do_update(
+        index_elements=["group_id", "topic", "partition"],
+        set_={
+            "next_offset": stmt.excluded.next_offset,
+            "updated_at": stmt.excluded.updated_at,
+            "cluster_id": stmt.excluded.cluster_id,
+        },
+    )
+    session.execute(stmt, rows)
+
+
+def load_offsets(session: Session, group_id: str, topic: str, cluster_id: str | None = None) -> dict[int, int]:
+    """The stored next offset per partition of ``topic`` for ``group_id``.
+
+    With ``cluster_id``, offsets stored under a different cluster id are left out: they point
+    into a log that no longer exists (an embedded broker that restarted empty).
+    """
+    rows = session.execute(
+        select(ConsumerOffsetRow.partition, ConsumerOffsetRow.next_offset, ConsumerOffsetRow.cluster_id).where(
+            ConsumerOffsetRow.group_id == group_id, ConsumerOffsetRow.topic == topic
+        )
+    )
+    return {int(p): int(o) for p, o, c in rows if cluster_id is None or c is None or c == cluster_id}

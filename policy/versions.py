@@ -1,0 +1,87 @@
+"""Policy versions: the ``policy_versions`` rows and the offline train-a-version pipeline.
+
+Version ids are ``v0000`` (the warm-up) then ``v0001``, ``v0002``, ... in lineage order; a
+version's number is its distance in updates from v0, which is what staleness is counted in.
+A checkpoint directory is complete before its row is written (the row is the completion
+marker): readers that find a row find a loadable checkpoint.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.engine import Engine
+
+from ingest.db import transaction
+from policy.tables import PolicyVersionRow
+
+
+def version_id(number: int) -> str:
+    """``v0007`` for 7."""
+    return f"v{number:04d}"
+
+
+def latest_version(engine: Engine) -> PolicyVersionRow | None:
+    """The newest version row (by creation time, then id), or None."""
+    with transaction(engine) as db:
+        stmt = select(PolicyVersionRow).order_by(
+            PolicyVersionRow.created_at.desc(), PolicyVersionRow.version_id.desc()
+        )
+        row = db.scalars(stmt.limit(1)).first()
+        if row is not None:
+            db.expunge(row)
+        return row
+
+
+def list_versions(engine: Engine) -> list[PolicyVersionRow]:
+    """Every version row, oldest first."""
+    with transaction(engine) as db:
+        stmt = select(PolicyVersionRow).order_by(PolicyVersionRow.created_at, PolicyVersionRow.version_id)
+        rows = list(db.scalars(stmt))
+        for r in rows:
+            db.expunge(r)
+        return rows
+
+
+def record_version(
+    engine: Engine,
+    *,
+    version: str,
+    parent: str | None,
+    step: int,
+    checkpoint_path: str | Path,
+    metrics: dict[str, Any],
+    num_samples: int = 0,
+    num_dropped_stale: int = 0,
+    staleness_mean: float | None = None,
+    staleness_max: int | None = None,
+    data_start: datetime | None = None,
+    data_end: datetime | None = None,
+) -> PolicyVersionRow:
+    """Insert a version row (after its checkpoint is on disk); a duplicate id raises."""
+    if not (Path(checkpoint_path) / "config.json").exists():
+        raise FileNotFoundError(f"checkpoint {checkpoint_path} is incomplete; save it before recording the version")
+    row = PolicyVersionRow(
+        version_id=version,
+        parent_id=parent,
+        step=step,
+        data_start=data_start,
+        data_end=data_end,
+        num_samples=num_samples,
+        num_dropped_stale=num_dropped_stale,
+        staleness_mean=staleness_mean,
+        staleness_max=staleness_max,
+        metrics=metrics,
+        checkpoint_path=str(checkpoint_path),
+        created_at=datetime.now(UTC),
+    )
+    with transaction(engine) as db:
+        if db.get(PolicyVersionRow, version) is not None:
+            raise ValueError(f"policy version {version} already exists; versions are immutable")
+        db.add(row)
+        db.flush()
+        db.expunge(row)
+    return row

@@ -1,0 +1,128 @@
+"""Cheapest path from the version a replica holds to a target, with fallback past bad artifacts.
+
+The versions form a graph: a delta is an edge from its base to its version, weighted by its
+size; a full snapshot is an edge from "nothing" to its version, weighted by its size. Dijkstra
+from the held version (cost 0) and from "nothing" finds the path that reads the fewest bytes.
+:func:`update` applies it step by step; each step is verified before it writes, so when a
+delta is corrupt or missing the target still holds the last good version, the bad artifact is
+excluded and a new path is planned (ending, at worst, at the nearest full snapshot).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, MutableMapping
+from dataclasses import dataclass, field
+
+import structlog
+import torch
+
+from policy.weights.apply import ParamTarget, apply_delta_inplace, apply_full_inplace
+from policy.weights.format import Manifest, WeightsError
+from policy.weights.store import WeightStore
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Step:
+    """Apply one artifact: ``full`` (snapshot) or ``delta`` of ``version``."""
+
+    kind: str
+    version: str
+    bytes: int
+
+
+def plan(
+    manifests: Iterable[Manifest],
+    target: str,
+    held: str | None = None,
+    exclude: frozenset[tuple[str, str]] = frozenset(),
+) -> list[Step]:
+    """The cheapest list of steps from ``held`` (None: nothing) to ``target``; [] if already there.
+
+    ``exclude`` holds ``(kind, version)`` artifacts known to be bad. Raises :class:`WeightsError`
+    when no path exists.
+    """
+    by_version = {m.version: m for m in manifests}
+    if target not in by_version:
+        raise WeightsError(f"version {target} is not in the store")
+    if held == target:
+        return []
+    children: dict[str, list[Manifest]] = {}
+    for m in by_version.values():
+        if m.delta is not None and ("delta", m.version) not in exclude:
+            children.setdefault(m.delta.base, []).append(m)
+    best: dict[str, tuple[int, list[Step]]] = {}
+    queue: list[tuple[int, int, str, list[Step]]] = []
+    counter = 0
+    if held is not None and held in by_version:
+        queue.append((0, counter, held, []))
+    for m in by_version.values():
+        if m.full is not None and ("full", m.version) not in exclude:
+            counter += 1
+            queue.append((m.full.bytes, counter, m.version, [Step("full", m.version, m.full.bytes)]))
+    heapq.heapify(queue)
+    while queue:
+        cost, _, version, steps = heapq.heappop(queue)
+        if version in best:
+            continue
+        best[version] = (cost, steps)
+        if version == target:
+            return steps
+        for child in children.get(version, []):
+            if child.version not in best and child.delta is not None:
+                counter += 1
+                step = Step("delta", child.version, child.delta.bytes)
+                heapq.heappush(queue, (cost + child.delta.bytes, counter, child.version, [*steps, step]))
+    raise WeightsError(
+        f"no path to version {target} from {held or 'nothing'}: every snapshot and delta is missing or bad"
+    )
+
+
+@dataclass
+class UpdateReport:
+    """What :func:`update` did."""
+
+    version: str
+    """The version the target holds now."""
+    steps: list[Step] = field(default_factory=list)
+    """Steps applied, in order."""
+    failures: list[str] = field(default_factory=list)
+    """Artifacts that failed verification and were routed around."""
+
+    @property
+    def bytes(self) -> int:
+        """Artifact bytes of the applied steps."""
+        return sum(s.bytes for s in self.steps)
+
+
+def update(
+    store: WeightStore,
+    target: ParamTarget | MutableMapping[str, torch.Tensor],
+    held: str | None,
+    version: str,
+    *,
+    max_attempts: int = 8,
+) -> UpdateReport:
+    """Bring ``target`` from ``held`` to ``version`` along the cheapest path, falling back past bad artifacts."""
+    exclude: set[tuple[str, str]] = set()
+    report = UpdateReport(version=held or "")
+    for _attempt in range(max_attempts):
+        steps = plan(store.manifests(), version, held, frozenset(exclude))
+        try:
+            for step in steps:
+                if step.kind == "full":
+                    apply_full_inplace(target, store.open_full(step.version))
+                else:
+                    apply_delta_inplace(target, store.open_delta(step.version), held_version=held)
+                held = step.version
+                report.steps.append(step)
+                report.version = step.version
+            return report
+        except (WeightsError, OSError) as err:
+            bad = (step.kind, step.version)
+            exclude.add(bad)
+            report.failures.append(f"{step.kind} {step.version}: {err}")
+            log.warning("weights.step_failed", kind=step.kind, version=step.version, error=str(err))
+    raise WeightsError(f"could not reach version {version} after {max_attempts} attempts: {report.failures}")

@@ -1,0 +1,357 @@
+"""The versioned weight store: full snapshots and bit-exact deltas on any fsspec filesystem.
+
+Layout under the store root::
+
+    versions/<version>/full.safetensors   a full snapshot (every ``snapshot_every`` versions)
+    versions/<version>/delta.bin          XOR delta from the parent (every version with a parent)
+    versions/<version>/manifest.json      written last, by atomic rename: the version is complete
+
+Writing streams tensor by tensor: the parent's tensors are rebuilt one at a time from the
+nearest full snapshot and the deltas after it, so memory stays bounded by the largest tensor.
+Producer: the trainer (``put``); consumers: the serving layer (``open_delta``/``open_full`` with
+:mod:`policy.weights.apply`), the CLI and GC.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import numpy as np
+import structlog
+import torch
+
+from policy.config import WeightsConfig
+from policy.weights.codec import decode_tensor, encode_tensor
+from policy.weights.format import (
+    DELTA_FILE,
+    FULL_FILE,
+    MANIFEST,
+    DeltaArtifact,
+    DeltaTensor,
+    FullArtifact,
+    Manifest,
+    TensorMeta,
+    WeightsError,
+    check_version_id,
+    checksum,
+    dtype_name,
+    from_words,
+    magnitude_mask,
+    parse_manifest,
+    to_words,
+    version_hash,
+    word_dtype,
+)
+from policy.weights.tensors import TensorSource, cast_for_serving, read_header, source_from, write_safetensors
+
+log = structlog.get_logger(__name__)
+
+
+class DeltaReader:
+    """One version's delta: its manifest and checksum-verified per-tensor payloads (range reads)."""
+
+    def __init__(self, store: WeightStore, manifest: Manifest):
+        if manifest.delta is None:
+            raise WeightsError(f"version {manifest.version} has no delta; fetch its full snapshot or another path")
+        self.store = store
+        self.manifest = manifest
+        self.delta: DeltaArtifact = manifest.delta
+        self.path = store.path(manifest.version, self.delta.file)
+        if not store.fs.exists(self.path):
+            raise WeightsError(f"delta file of version {manifest.version} is missing; use another path")
+        if store.fs.size(self.path) != self.delta.bytes:
+            raise WeightsError(f"delta of version {manifest.version} is truncated or overwritten: size differs")
+
+    def payload(self, name: str) -> bytes:
+        """The encoded payload of ``name``, verified against its checksum."""
+        entry = self.delta.tensors[name]
+        with self.store.fs.open(self.path, "rb") as handle:
+            handle.seek(entry.offset)
+            data = handle.read(entry.length)
+        if len(data) != entry.length:
+            raise WeightsError(
+                f"delta of {self.manifest.version} is truncated at tensor {name}; refetch or use a snapshot"
+            )
+        if checksum(data) != entry.payload_checksum:
+            raise WeightsError(
+                f"delta of {self.manifest.version} is corrupt at tensor {name}; refetch or use a snapshot"
+            )
+        return data
+
+    def decode(self, name: str, base: np.ndarray | None) -> np.ndarray:
+        """Target words of ``name`` from the base's words (verified against the target checksum)."""
+        meta = self.manifest.tensors[name]
+        return decode_tensor(self.payload(name), base, word_dtype(meta.dtype), meta.numel(), meta.checksum)
+
+
+class FullReader:
+    """One version's full snapshot, tensor by tensor, each verified against the manifest."""
+
+    def __init__(self, store: WeightStore, manifest: Manifest):
+        if manifest.full is None:
+            raise WeightsError(f"version {manifest.version} has no full snapshot")
+        self.store = store
+        self.manifest = manifest
+        self.path = store.path(manifest.version, manifest.full.file)
+        self.index = read_header(store.fs, self.path)
+
+    def words(self, name: str) -> np.ndarray:
+        """The verified words of ``name``."""
+        meta = self.manifest.tensors[name]
+        if name not in self.index:
+            raise WeightsError(f"snapshot of {self.manifest.version} lacks tensor {name}; the store is corrupt")
+        dtype, shape, start, end = self.index[name]
+        if dtype != meta.dtype or shape != meta.shape:
+            raise WeightsError(f"snapshot of {self.manifest.version} disagrees with its manifest on tensor {name}")
+        with self.store.fs.open(self.path, "rb") as handle:
+            handle.seek(start)
+            data = handle.read(end - start)
+        words = np.frombuffer(data, dtype=word_dtype(dtype)).copy() if len(data) == end - start else None
+        if words is None or checksum(words) != meta.checksum:
+            raise WeightsError(
+                f"snapshot of {self.manifest.version} is corrupt at tensor {name}; restore or refetch it"
+            )
+        return words
+
+
+class WeightStore:
+    """A store of policy versions at a local path or any fsspec URL."""
+
+    def __init__(self, url: str | Path, config: WeightsConfig | None = None):
+        self.config = config or WeightsConfig()
+        self.url = str(url)
+        self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        self.fs.makedirs(f"{self.root}/versions", exist_ok=True)
+
+    def path(self, version: str, file: str = "") -> str:
+        """Path of a version directory or a file in it."""
+        base = f"{self.root}/versions/{check_version_id(version)}"
+        return f"{base}/{file}" if file else base
+
+    # ---- reading -------------------------------------------------------------------------
+
+    def manifest(self, version: str) -> Manifest:
+        """The validated manifest of a complete version."""
+        path = self.path(version, MANIFEST)
+        if not self.fs.exists(path):
+            raise WeightsError(f"version {version} is not in the store (or its write never completed)")
+        with self.fs.open(path, "rb") as handle:
+            return parse_manifest(handle.read(), version)
+
+    def version_ids(self) -> list[str]:
+        """Every version directory, complete or not."""
+        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(f"{self.root}/versions", detail=False))
+
+    def manifests(self) -> list[Manifest]:
+        """Manifests of every complete version, oldest first. Corrupt manifests are skipped with a warning."""
+        out = []
+        for version in self.version_ids():
+            if not self.fs.exists(self.path(version, MANIFEST)):
+                continue
+            try:
+                out.append(self.manifest(version))
+            except WeightsError as err:
+                log.warning("weights.manifest_unreadable", version=version, error=str(err))
+        return sorted(out, key=lambda m: m.seq)
+
+    def latest(self) -> str | None:
+        """The newest complete version."""
+        manifests = self.manifests()
+        return manifests[-1].version if manifests else None
+
+    def open_delta(self, version: str) -> DeltaReader:
+        """The delta that turns the version's parent into it."""
+        return DeltaReader(self, self.manifest(version))
+
+    def open_full(self, version: str) -> FullReader:
+        """The version's full snapshot."""
+        return FullReader(self, self.manifest(version))
+
+    def chain(self, version: str) -> list[Manifest]:
+        """Manifests from the nearest full snapshot at or before ``version`` to it, oldest first."""
+        out = [self.manifest(version)]
+        while out[-1].full is None:
+            parent = out[-1].parent
+            if parent is None or out[-1].delta is None:
+                raise WeightsError(
+                    f"version {out[-1].version} has neither a snapshot nor a delta; the store is corrupt"
+                )
+            out.append(self.manifest(parent))
+        return out[::-1]
+
+    def words(self, version: str, name: str, chain: list[Manifest] | None = None) -> np.ndarray:
+        """One tensor of ``version`` as verified words, rebuilt along its chain."""
+        chain = chain or self.chain(version)
+        start = max((i for i, m in enumerate(chain) if m.full and name in m.tensors), default=0)
+        words = FullReader(self, chain[start]).words(name) if name in chain[start].tensors else None
+        for previous, manifest in zip(chain[start:], chain[start + 1 :], strict=False):
+            if name not in manifest.tensors:
+                words = None
+                continue
+            words = DeltaReader(self, manifest).decode(name, words if name in previous.tensors else None)
+        if words is None:
+            raise WeightsError(f"version {version} has no tensor {name}")
+        return words
+
+    def tensors(self, version: str) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield every tensor of ``version`` (CPU), one at a time."""
+        chain = self.chain(version)
+        for name, meta in chain[-1].tensors.items():
+            yield name, from_words(self.words(version, name, chain), meta.dtype, meta.shape)
+
+    def state_dict(self, version: str) -> dict[str, torch.Tensor]:
+        """The whole version in memory (tests and small models)."""
+        return dict(self.tensors(version))
+
+    # ---- writing -------------------------------------------------------------------------
+
+    def put(
+        self,
+        source: TensorSource | Mapping[str, torch.Tensor] | str | Path,
+        *,
+        version: str | None = None,
+        parent: str | None = "latest",
+        full: bool | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> Manifest:
+        """Add a version: a delta from ``parent`` (default: the latest version) and, every
+        ``snapshot_every`` versions or when ``full`` is true, a full snapshot. Returns its manifest."""
+        src = source_from(source)
+        existing = self.manifests()
+        parent_id = (existing[-1].version if existing else None) if parent == "latest" else parent
+        parent_manifest = self.manifest(parent_id) if parent_id else None
+        seq = max((m.seq for m in existing), default=0) + 1
+        version = check_version_id(version or f"v{seq:06d}")
+        if self.fs.exists(self.path(version, MANIFEST)):
+            raise WeightsError(f"version {version} already exists; versions are immutable, choose a new id")
+        if full is None:
+            full = (
+                parent_manifest is None
+                or self._deltas_since_snapshot(parent_manifest) + 1 >= self.config.snapshot_every
+            )
+        if parent_manifest is None:
+            full = True
+        directory = self.path(version)
+        if self.fs.exists(directory):
+            self.fs.rm(directory, recursive=True)
+        self.fs.makedirs(directory, exist_ok=True)
+        chain = self.chain(parent_manifest.version) if parent_manifest else []
+        tensors: dict[str, TensorMeta] = {}
+        entries: dict[str, DeltaTensor] = {}
+        level = self.config.zstd_level
+        delta_handle = self.fs.open(self.path(version, DELTA_FILE), "wb") if parent_manifest else None
+        offset = 0
+
+        def words_of(name: str) -> np.ndarray:
+            nonlocal offset
+            tensor = cast_for_serving(src.get(name), self.config.serving_dtype)
+            target = to_words(tensor)
+            dtype = dtype_name(tensor.dtype)
+            tensors[name] = TensorMeta(dtype=dtype, shape=list(tensor.shape), checksum=checksum(target))
+            if parent_manifest is not None and delta_handle is not None:
+                old = parent_manifest.tensors.get(name)
+                same_layout = old is not None and old.dtype == dtype and old.shape == list(tensor.shape)
+                base = self.words(parent_manifest.version, name, chain) if same_layout else None
+                mask = magnitude_mask(dtype) if self.config.magnitude_classes else None
+                encoded = encode_tensor(base, target, mask, level=level)
+                delta_handle.write(encoded.payload)
+                entries[name] = DeltaTensor(
+                    encoding=encoded.encoding,
+                    offset=offset,
+                    length=len(encoded.payload),
+                    payload_checksum=checksum(encoded.payload),
+                    base_checksum=old.checksum if same_layout and old is not None else None,
+                )
+                offset += len(encoded.payload)
+            return target
+
+        started = time.perf_counter()
+        try:
+            full_artifact = None
+            if full:
+                layout = {name: self._serving_layout(src, name) for name in src.names()}
+                size = write_safetensors(self.fs, self.path(version, FULL_FILE), layout, words_of, {"version": version})
+                full_artifact = FullArtifact(bytes=size)
+            else:
+                for name in src.names():
+                    words_of(name)
+        finally:
+            if delta_handle is not None:
+                delta_handle.close()
+        delta_artifact = None
+        if parent_manifest is not None:
+            delta_artifact = DeltaArtifact(
+                base=parent_manifest.version,
+                base_hash=parent_manifest.version_hash,
+                bytes=offset,
+                tensors=entries,
+                removed=[n for n in parent_manifest.tensors if n not in tensors],
+            )
+        manifest = Manifest(
+            version=version,
+            seq=seq,
+            parent=parent_manifest.version if parent_manifest else None,
+            created_at=datetime.now(UTC).isoformat(),
+            version_hash=version_hash(tensors),
+            tensors=tensors,
+            full=full_artifact,
+            delta=delta_artifact,
+            meta=meta or {},
+        )
+        self._write_manifest(manifest)
+        log.info(
+            "weights.put",
+            version=version,
+            parent=manifest.parent,
+            full_bytes=full_artifact.bytes if full_artifact else None,
+            delta_bytes=offset if delta_artifact else None,
+            seconds=round(time.perf_counter() - started, 3),
+        )
+        return manifest
+
+    def _serving_layout(self, src: TensorSource, name: str) -> tuple[str, list[int]]:
+        meta = getattr(src, "index", None)
+        if meta is not None and not self.config.serving_dtype:
+            _file, dtype, shape, _s, _e = meta[name]
+            return dtype, shape
+        tensor = cast_for_serving(src.get(name), self.config.serving_dtype)
+        return dtype_name(tensor.dtype), list(tensor.shape)
+
+    def _deltas_since_snapshot(self, manifest: Manifest) -> int:
+        return len(self.chain(manifest.version)) - 1
+
+    def _write_manifest(self, manifest: Manifest) -> None:
+        """Write the manifest last and atomically: a temporary name, then rename (one PUT on object stores)."""
+        final = self.path(manifest.version, MANIFEST)
+        raw = json.dumps(manifest.model_dump(mode="json"), indent=1).encode()
+        if self.fs.protocol in ("file", "local") or "file" in tuple(self.fs.protocol):
+            tmp = f"{final}.{uuid.uuid4().hex}.tmp"
+            with self.fs.open(tmp, "wb") as handle:
+                handle.write(raw)
+            Path(tmp).replace(final)
+        else:
+            with self.fs.open(final, "wb") as handle:
+                handle.write(raw)
+
+    def delete(self, version: str) -> None:
+        """Remove a version: its manifest first (it stops being complete), then its files."""
+        manifest_path = self.path(version, MANIFEST)
+        if self.fs.exists(manifest_path):
+            self.fs.rm(manifest_path)
+        if self.fs.exists(self.path(version)):
+            self.fs.rm(self.path(version), recursive=True)
+
+    def modified_at(self, version: str) -> float:
+        """Newest modification time (epoch s) of a version directory's files (0 when unknown)."""
+        newest = 0.0
+        for info in [self.fs.info(self.path(version)), *self.fs.ls(self.path(version), detail=True)]:
+            stamp = info.get("mtime") or info.get("LastModified") or info.get("created") or 0
+            newest = max(newest, stamp.timestamp() if isinstance(stamp, datetime) else float(stamp))
+        return newest

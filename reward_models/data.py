@@ -1,0 +1,209 @@
+"""Read sessions and signals from the ingest tables into pandas frames.
+
+``load_sessions`` returns one row per session with the texts the reward models read, the
+policy's own mean logprob over the generated tokens (its confidence, the baseline every model
+must beat) and edit statistics from ``files``. ``load_signals`` returns every signal row with
+its payload. Times are timezone-aware UTC (SQLite hands back naive datetimes, read as UTC).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from sqlalchemy import select
+from sqlalchemy.engine import Engine
+
+from ingest.arrays import unpack_floats
+from ingest.tables import SegmentRow, SessionRow, SignalRow
+
+SESSION_COLUMNS = [
+    "session_id",
+    "user_id",
+    "occurred_at",
+    "policy_version",
+    "model",
+    "group_id",
+    "candidate_index",
+    "prompt_text",
+    "completion_text",
+    "num_completion_tokens",
+    "mean_logprob",
+    "lines_added",
+    "lines_removed",
+]
+SIGNAL_COLUMNS = [
+    "event_id",
+    "type",
+    "session_id",
+    "user_id",
+    "group_id",
+    "occurred_at",
+    "horizon_s",
+    "value",
+    "payload",
+]
+_CHUNK = 500
+
+
+def to_utc(values: Any) -> pd.Series:
+    """Datetimes as tz-aware UTC; naive values are taken to be UTC already."""
+    series = pd.to_datetime(pd.Series(values), utc=True)
+    return series
+
+
+def mean_logprob(chunks: Sequence[bytes | None]) -> float:
+    """Mean of the float64 logprobs packed in ``chunks``; NaN when there are none or any is not finite."""
+    arrays = [unpack_floats(raw) for raw in chunks if raw]
+    if not arrays:
+        return float("nan")
+    values = np.concatenate(arrays)
+    if values.size == 0 or not np.all(np.isfinite(values)):
+        return float("nan")
+    return float(values.mean())
+
+
+def _edit_stats(extra: dict[str, Any] | None) -> tuple[float, float]:
+    files = (extra or {}).get("files") or []
+    added = sum(int(f.get("lines_added") or 0) for f in files if isinstance(f, dict))
+    removed = sum(int(f.get("lines_removed") or 0) for f in files if isinstance(f, dict))
+    return float(added), float(removed)
+
+
+def load_sessions(
+    engine: Engine,
+    *,
+    since: datetime | None = None,
+    until: datetime | None = None,
+    session_ids: Sequence[str] | None = None,
+) -> pd.DataFrame:
+    """Sessions in ``[since, until)`` (or exactly ``session_ids``), oldest first."""
+    cols = [
+        SessionRow.session_id,
+        SessionRow.user_id,
+        SessionRow.occurred_at,
+        SessionRow.policy_version,
+        SessionRow.model,
+        SessionRow.group_id,
+        SessionRow.candidate_index,
+        SessionRow.prompt_text,
+        SessionRow.completion_text,
+        SessionRow.num_completion_tokens,
+        SessionRow.extra,
+    ]
+    rows: list[Any] = []
+    logprobs: dict[str, list[bytes | None]] = {}
+    with engine.connect() as conn:
+        if session_ids is not None:
+            ids = list(dict.fromkeys(session_ids))
+            batches = [ids[i : i + _CHUNK] for i in range(0, len(ids), _CHUNK)]
+        else:
+            batches = [None]  # type: ignore[list-item]
+        for batch in batches:
+            query = select(*cols)
+            seg_query = select(SegmentRow.session_id, SegmentRow.logprobs).where(SegmentRow.role == "assistant")
+            if batch is not None:
+                query = query.where(SessionRow.session_id.in_(batch))
+                seg_query = seg_query.where(SegmentRow.session_id.in_(batch))
+            if since is not None:
+                query = query.where(SessionRow.occurred_at >= since)
+            if until is not None:
+                query = query.where(SessionRow.occurred_at < until)
+            if batch is None and (since is not None or until is not None):
+                seg_query = seg_query.join(SessionRow, SessionRow.session_id == SegmentRow.session_id)
+                if since is not None:
+                    seg_query = seg_query.where(SessionRow.occurred_at >= since)
+                if until is not None:
+                    seg_query = seg_query.where(SessionRow.occurred_at < until)
+            rows.extend(conn.execute(query).all())
+            for sid, raw in conn.execute(seg_query.order_by(SegmentRow.session_id, SegmentRow.idx)):
+                logprobs.setdefault(sid, []).append(raw)
+    if not rows:
+        return pd.DataFrame({c: pd.Series(dtype=object) for c in SESSION_COLUMNS})
+    records = []
+    for r in rows:
+        added, removed = _edit_stats(r.extra)
+        records.append(
+            {
+                "session_id": r.session_id,
+                "user_id": r.user_id,
+                "occurred_at": r.occurred_at,
+                "policy_version": r.policy_version,
+                "model": r.model,
+                "group_id": r.group_id,
+                "candidate_index": r.candidate_index,
+                "prompt_text": r.prompt_text or "",
+                "completion_text": r.completion_text or "",
+                "num_completion_tokens": r.num_completion_tokens or 0,
+                "mean_logprob": mean_logprob(logprobs.get(r.session_id, [])),
+                "lines_added": added,
+                "lines_removed": removed,
+            }
+        )
+    frame = pd.DataFrame.from_records(records, columns=SESSION_COLUMNS)
+    frame["occurred_at"] = to_utc(frame["occurred_at"]).to_numpy()
+    frame["occurred_at"] = pd.to_datetime(frame["occurred_at"], utc=True)
+    return frame.sort_values(["occurred_at", "session_id"], kind="stable").reset_index(drop=True)
+
+
+def load_signals(engine: Engine, *, types: Sequence[str] | None = None) -> pd.DataFrame:
+    """Every signal (optionally of ``types``) in arrival-independent order: by ``occurred_at``, then ``event_id``."""
+    query = select(
+        SignalRow.event_id,
+        SignalRow.type,
+        SignalRow.session_id,
+        SignalRow.user_id,
+        SignalRow.group_id,
+        SignalRow.occurred_at,
+        SignalRow.horizon_s,
+        SignalRow.value,
+        SignalRow.payload,
+    )
+    if types is not None:
+        query = query.where(SignalRow.type.in_(list(types)))
+    with engine.connect() as conn:
+        rows = conn.execute(query).all()
+    if not rows:
+        return pd.DataFrame({c: pd.Series(dtype=object) for c in SIGNAL_COLUMNS})
+    frame = pd.DataFrame.from_records([tuple(r) for r in rows], columns=SIGNAL_COLUMNS)
+    frame["occurred_at"] = pd.to_datetime(frame["occurred_at"], utc=True)
+    frame["payload"] = frame["payload"].map(lambda p: p if isinstance(p, dict) else {})
+    return frame.sort_values(["occurred_at", "event_id"], kind="stable").reset_index(drop=True)
+
+
+def session_records(events: Sequence[dict[str, Any]]) -> pd.DataFrame:
+    """Session frame built from ``session.completed`` envelopes (plain dicts) in input order, no database.
+
+    What ``undertow rewards score --input FILE`` and in-memory scoring read; envelopes of other
+    types are ignored by the caller before this.
+    """
+    records = []
+    for ev in events:
+        p = ev.get("payload") or {}
+        segments = [s for s in (p.get("segments") or []) if isinstance(s, dict)]
+        assistant = [s for s in segments if s.get("role") == "assistant"]
+        lps = [float(x) for s in assistant for x in (s.get("logprobs") or [])]
+        lp = float(np.mean(lps)) if lps and np.all(np.isfinite(lps)) else float("nan")
+        prompt = p.get("prompt") or {}
+        added, removed = _edit_stats({"files": p.get("files") or []})
+        records.append(
+            {
+                "session_id": ev.get("session_id"),
+                "user_id": ev.get("user_id"),
+                "occurred_at": ev.get("occurred_at"),
+                "policy_version": p.get("policy_version"),
+                "model": p.get("model"),
+                "group_id": p.get("group_id"),
+                "candidate_index": p.get("candidate_index"),
+                "prompt_text": prompt.get("text") or "" if isinstance(prompt, dict) else "",
+                "completion_text": "".join(str(s.get("text") or "") for s in assistant),
+                "num_completion_tokens": sum(len(s.get("token_ids") or []) for s in assistant),
+                "mean_logprob": lp,
+                "lines_added": added,
+                "lines_removed": removed,
+            }
+        )
+    return pd.DataFrame.from_records(records, columns=SESSION_COLUMNS)

@@ -1,0 +1,71 @@
+"""Reward-hacking guard: stop when the proxy reward rises while the real outcome falls.
+
+Optimizing a learned reward past a point makes the true objective worse (Gao et al., "Scaling
+Laws for Reward Model Overoptimization", ICML 2023). Given, per policy version in rollout order,
+the mean proxy reward (the reward model's score) and the mean real outcome (final retention),
+the guard compares the first and the last of the most recent ``hacking_window`` versions:
+
+    proxy_rise = proxy[last] - proxy[first];  real_drop = real[first] - real[last]
+    flagged    = proxy_rise > hacking_proxy_rise and real_drop > hacking_real_drop
+
+A flag tells the loop to stop promoting policies and retrain the reward model. Versions without
+any real outcome yet (retention still pending) are left out rather than read as zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from reward_models.config import RewardsConfig
+
+
+@dataclass
+class HackingReport:
+    """The guard's verdict and the per-version means it read."""
+
+    flagged: bool
+    reason: str
+    proxy_rise: float | None = None
+    real_drop: float | None = None
+    versions: list[dict[str, Any]] = field(default_factory=list)
+
+
+def reward_hacking(per_session: pd.DataFrame, config: RewardsConfig) -> HackingReport:
+    """Check divergence from rows ``policy_version, proxy, real`` (and optional ``order``, else first appearance).
+
+    Rows with a non-finite proxy or real value are ignored (counted in ``versions``).
+    """
+    needed = {"policy_version", "proxy", "real"}
+    if not needed <= set(per_session.columns):
+        raise ValueError(f"reward_hacking needs columns {sorted(needed)}, got {sorted(per_session.columns)}")
+    frame = per_session.copy()
+    if "order" not in frame:
+        frame["order"] = np.arange(len(frame))
+    frame["proxy"] = pd.to_numeric(frame["proxy"], errors="coerce")
+    frame["real"] = pd.to_numeric(frame["real"], errors="coerce")
+    frame = frame[np.isfinite(frame["proxy"]) & np.isfinite(frame["real"])]
+    grouped = (
+        frame.groupby("policy_version")
+        .agg(order=("order", "min"), proxy=("proxy", "mean"), real=("real", "mean"), n=("proxy", "size"))
+        .sort_values("order")
+    )
+    versions = [
+        {"policy_version": str(v), "proxy": float(r.proxy), "real": float(r.real), "sessions": int(r.n)}
+        for v, r in grouped.iterrows()
+    ]
+    if len(grouped) < 2:
+        return HackingReport(False, f"need 2 policy versions with outcomes, have {len(grouped)}", versions=versions)
+    window = grouped.tail(config.hacking_window)
+    proxy_rise = float(window["proxy"].iloc[-1] - window["proxy"].iloc[0])
+    real_drop = float(window["real"].iloc[0] - window["real"].iloc[-1])
+    flagged = proxy_rise > config.hacking_proxy_rise and real_drop > config.hacking_real_drop
+    first, last = window.index[0], window.index[-1]
+    if flagged:
+        reason = f"proxy reward rose {proxy_rise:+.3f} while retention fell {real_drop:.3f} from {first} to {last}"
+    else:
+        reason = f"no divergence from {first} to {last} (proxy {proxy_rise:+.3f}, retention {-real_drop:+.3f})"
+    return HackingReport(flagged, reason, proxy_rise, real_drop, versions)

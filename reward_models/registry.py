@@ -1,0 +1,164 @@
+"""The registry: reward-model versions in a table, their bundles as content-hashed artifacts.
+
+An artifact is the pickled :class:`~reward_models.models.RewardBundle` stored as
+``<artifacts_dir>/<sha256>.pkl``; the row keeps the hash, and loading refuses a file whose bytes
+no longer match it (a swapped or corrupted artifact never scores). Artifacts are only ever
+loaded from the project's own artifact directory, written by :func:`save_bundle`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.engine import Engine
+
+from ingest.db import transaction
+from reward_models.models import RewardBundle
+from reward_models.tables import RewardModelRow
+
+PROMOTED = "promoted"
+CANDIDATE = "candidate"
+RETIRED = "retired"
+
+
+class UnknownVersion(LookupError):
+    """No such reward-model version (or none promoted yet); the message says what to run."""
+
+
+class CorruptArtifact(RuntimeError):
+    """An artifact's bytes no longer match the hash recorded in the registry."""
+
+
+def save_bundle(bundle: RewardBundle, artifacts_dir: Path) -> tuple[str, Path]:
+    """Write ``bundle`` as ``<sha256>.pkl`` (atomically: temp file, then rename); returns (hash, path)."""
+    raw = pickle.dumps(bundle, protocol=pickle.HIGHEST_PROTOCOL)
+    digest = hashlib.sha256(raw).hexdigest()
+    artifacts_dir.mkdir(parents=True, exist_ok=True)
+    path = artifacts_dir / f"{digest}.pkl"
+    if not path.exists():
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(raw)
+        tmp.replace(path)
+    return digest, path.resolve()
+
+
+def load_bundle(row: RewardModelRow) -> RewardBundle:
+    """The bundle of ``row``, after checking its bytes against the recorded hash."""
+    path = Path(row.artifact_path)
+    if not path.exists():
+        raise CorruptArtifact(
+            f"Artifact of reward model {row.version} is missing at {path}; retrain with `undertow rewards train`."
+        )
+    raw = path.read_bytes()
+    if hashlib.sha256(raw).hexdigest() != row.artifact_sha256:
+        raise CorruptArtifact(
+            f"Artifact of reward model {row.version} at {path} does not match its recorded hash; retrain."
+        )
+    bundle = pickle.loads(raw)  # our own artifact, verified against the registry's hash above
+    if not isinstance(bundle, RewardBundle):
+        raise CorruptArtifact(f"Artifact of reward model {row.version} is not a reward bundle.")
+    return bundle
+
+
+def next_version_id(engine: Engine, digest: str) -> str:
+    """``rm-<n>-<hash8>``, ``n`` one more than the number of versions so far."""
+    with engine.connect() as conn:
+        count = conn.execute(select(func.count()).select_from(RewardModelRow)).scalar_one()
+    return f"rm-{count + 1:04d}-{digest[:8]}"
+
+
+def get_version(engine: Engine, version: str = "latest") -> RewardModelRow:
+    """The row of ``version``; ``latest`` is the most recently promoted one."""
+    with transaction(engine) as session:
+        if version == "latest":
+            row = session.execute(
+                select(RewardModelRow)
+                .where(RewardModelRow.status == PROMOTED)
+                .order_by(RewardModelRow.promoted_at.desc(), RewardModelRow.created_at.desc())
+                .limit(1)
+            ).scalar_one_or_none()
+            if row is None:
+                raise UnknownVersion("No reward model has been promoted yet; run `undertow rewards train` first.")
+        else:
+            row = session.get(RewardModelRow, version)
+            if row is None:
+                raise UnknownVersion(f"Unknown reward model version {version!r}; see `undertow rewards list`.")
+        session.expunge(row)
+        return row
+
+
+def current_promoted(engine: Engine) -> RewardModelRow | None:
+    """The promoted version in force, or None."""
+    try:
+        return get_version(engine, "latest")
+    except UnknownVersion:
+        return None
+
+
+def list_versions(engine: Engine) -> list[dict[str, Any]]:
+    """Every version, newest first, as plain data."""
+    table = RewardModelRow.__table__
+    keys = [
+        "version",
+        "created_at",
+        "status",
+        "backend",
+        "primary_metric",
+        "n_labeled",
+        "window_start",
+        "window_end",
+        "reason",
+    ]
+    with engine.connect() as conn:
+        rows = conn.execute(select(*(table.c[k] for k in keys)).order_by(table.c.created_at.desc())).mappings().all()
+    return [dict(r) for r in rows]
+
+
+def register(
+    engine: Engine,
+    *,
+    version: str,
+    bundle_hash: str,
+    path: Path,
+    backend: str,
+    status: str,
+    reason: str,
+    window: tuple[datetime | None, datetime | None],
+    n_labeled: int,
+    primary_metric: float | None,
+    config: dict[str, Any],
+    metrics: dict[str, Any],
+    reference_scores: list[float],
+    now: datetime | None = None,
+) -> RewardModelRow:
+    """Insert a version; when ``status`` is promoted, retire the previously promoted one in the same transaction."""
+    now = now or datetime.now(UTC)
+    row = RewardModelRow(
+        version=version,
+        created_at=now,
+        backend=backend,
+        status=status,
+        reason=reason,
+        artifact_sha256=bundle_hash,
+        artifact_path=str(path),
+        window_start=window[0],
+        window_end=window[1],
+        n_labeled=n_labeled,
+        primary_metric=primary_metric,
+        config=config,
+        metrics=metrics,
+        reference_scores=reference_scores,
+        promoted_at=now if status == PROMOTED else None,
+    )
+    with transaction(engine) as session:
+        if status == PROMOTED:
+            for old in session.execute(select(RewardModelRow).where(RewardModelRow.status == PROMOTED)).scalars():
+                old.status = RETIRED
+        session.add(row)
+    return row

@@ -1,0 +1,347 @@
+"""Train, evaluate, register and (maybe) promote one reward-model version from the database.
+
+Steps: load sessions and signals; drop sessions without completion text (counted); build labels
+as of ``now``; split by time (older sessions train, the newest ``holdout_fraction`` test);
+fit each head that has enough data of both classes (others are skipped with a reason); evaluate
+each head and the bundle on the hold-out next to the baselines; evaluate the promoted version on
+the *same* hold-out; register the new version, promoted only if every head beats its trivial
+baseline and the bundle beats the current version.
+
+The registered bundle is the one trained on the older part, so the recorded metrics are honest
+hold-out numbers for exactly the artifact that serves. Retraining is cheap (seconds at 100k
+sessions), so it runs routinely on a trigger instead of refitting on everything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import structlog
+from sqlalchemy.engine import Engine
+
+from reward_models import evaluation as ev
+from reward_models import registry
+from reward_models.config import RewardsConfig
+from reward_models.data import load_sessions, load_signals
+from reward_models.labels import build_labels, coverage
+from reward_models.models import PrivilegedModel, RewardBundle, setup_pairwise, setup_pointwise
+
+log = structlog.get_logger(__name__)
+POINTWISE_HEADS = ("retention", "acceptance")
+
+
+class TrainingDataError(ValueError):
+    """The data cannot train any reward model; the message says what is missing and what to do."""
+
+
+@dataclass
+class TrainReport:
+    """What one training run did (the JSON of ``undertow rewards train``)."""
+
+    version: str
+    status: str
+    reason: str
+    primary_metric: float | None
+    current_version: str | None
+    current_primary_metric: float | None
+    metrics: dict[str, Any]
+    heads: list[str]
+    skipped_heads: dict[str, str]
+    skipped: dict[str, int]
+    coverage: dict[str, Any]
+    position_bias: dict[str, Any]
+    window: dict[str, str | None]
+    n_train: int
+    n_holdout: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def promoted(self) -> bool:
+        return self.status == registry.PROMOTED
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["versions"] = [self.version]
+        data["promoted"] = self.promoted
+        return data
+
+
+def _finite(values: np.ndarray) -> bool:
+    return bool(np.all(np.isfinite(values)))
+
+
+def bundle_metrics(
+    bundle: RewardBundle, test: pd.DataFrame, test_pairs: pd.DataFrame, threshold: float
+) -> dict[str, Any]:
+    """Composite AUC and pairwise accuracy of a bundle's score on the hold-out (its primary metric: their mean)."""
+    scores = bundle.score(test) if len(test) else np.zeros(0)
+    out: dict[str, Any] = {"finite": _finite(scores)}
+    labeled = test["reward"].notna().to_numpy()
+    out["composite_auc"] = ev.auc((test["reward"].to_numpy()[labeled] >= threshold).astype(int), scores[labeled])
+    pos = pd.Series(np.arange(len(test)), index=test["session_id"].to_numpy())
+    if len(test_pairs):
+        c, r = pos.loc[test_pairs["chosen"]].to_numpy(), pos.loc[test_pairs["rejected"]].to_numpy()
+        out["pairwise_acc"] = ev.pairwise_accuracy(scores[c], scores[r])
+    else:
+        out["pairwise_acc"] = None
+    parts = [v for v in (out["composite_auc"], out["pairwise_acc"]) if v is not None]
+    out["primary"] = float(np.mean(parts)) if parts and out["finite"] else None
+    return out
+
+
+def train_reward_models(
+    engine: Engine,
+    config: RewardsConfig,
+    home: Path,
+    *,
+    now: datetime | None = None,
+    since: datetime | None = None,
+    resolved_config: dict[str, Any] | None = None,
+) -> TrainReport:
+    """One training run (see module docstring); raises :class:`TrainingDataError` when nothing can be trained."""
+    now = now or datetime.now(UTC)
+    sessions = load_sessions(engine, since=since, until=now)
+    if sessions.empty:
+        raise TrainingDataError(
+            "No sessions in the training window: ingest telemetry first (`undertow ingest --once`), "
+            "or widen the window."
+        )
+    skipped: dict[str, int] = {"sessions_total": len(sessions)}
+    no_text = sessions["completion_text"].fillna("").str.strip() == ""
+    skipped["sessions_without_text"] = int(no_text.sum())
+    skipped["sessions_missing_logprob"] = int(sessions["mean_logprob"].isna().sum())
+    sessions = sessions[~no_text].reset_index(drop=True)
+    if sessions.empty:
+        raise TrainingDataError("Every session in the window lacks completion text; nothing to learn from.")
+    signals = load_signals(engine)
+    extra: dict[str, Any] = {}
+    judge_scores = None
+    if config.judge.enabled:
+        from reward_models.judge import judge_sessions
+
+        judge_scores, extra["judge"] = judge_sessions(engine, sessions, config.judge)
+    labels = build_labels(sessions, signals, config, now, judge_scores)
+    skipped.update(labels.skipped)
+    frame = sessions.set_index("session_id").join(labels.sessions)
+    frame.index.name = "session_id"
+    has_label = frame[["retention", "acceptance", "reward"]].notna().any(axis=1)
+    in_pairs = frame.index.isin(labels.pairs["chosen"]) | frame.index.isin(labels.pairs["rejected"])
+    labeled = frame[has_label | in_pairs]
+    if labeled.empty:
+        raise TrainingDataError(
+            f"None of the {len(frame)} sessions has a usable label yet "
+            f"(retention pending: {skipped.get('retention_pending', 0)}); "
+            "wait for signals to arrive or lower `rewards.retention_grace_s`."
+        )
+    cutoff = ev.time_split(labeled["occurred_at"], config.holdout_fraction)
+    is_test = (frame["occurred_at"] >= cutoff).to_numpy()
+    train, test = frame[~is_test], frame[is_test]
+    log.info(
+        "reward data",
+        sessions=len(frame),
+        labeled=len(labeled),
+        train=len(train),
+        holdout=len(test),
+        cutoff=str(cutoff),
+    )
+
+    heads: dict[str, Any] = {}
+    skipped_heads: dict[str, str] = {}
+    metrics: dict[str, Any] = {}
+    for name in POINTWISE_HEADS:
+        tr = train[train[name].notna() & (train["retention_final"] if name == "retention" else True)]
+        te = test[test[name].notna() & (test["retention_final"] if name == "retention" else True)]
+        y_tr = (tr[name].to_numpy() >= config.positive_threshold).astype(int)
+        if len(tr) < config.min_train_rows:
+            skipped_heads[name] = f"{len(tr)} labeled training sessions, need {config.min_train_rows}"
+            continue
+        if len(np.unique(y_tr)) < 2:
+            skipped_heads[name] = f"training labels are a single class ({int(y_tr[0])}) in {len(tr)} sessions"
+            continue
+        log.info("training head", head=name, rows=len(tr), backend=config.backend)
+        head = setup_pointwise(config).fit(tr.reset_index(), y_tr)
+        y_te = (te[name].to_numpy() >= config.positive_threshold).astype(int)
+        logit = head.score(te.reset_index()) if len(te) else np.zeros(0)
+        metrics[name] = ev.pointwise_report(y_te, logit, te["mean_logprob"].to_numpy(dtype=float), float(y_tr.mean()))
+        heads[name] = head
+
+    pairs = labels.pairs[labels.pairs["chosen"].isin(frame.index) & labels.pairs["rejected"].isin(frame.index)]
+    side = pd.Series(is_test, index=frame.index)
+    both_train = ~side.loc[pairs["chosen"]].to_numpy() & ~side.loc[pairs["rejected"]].to_numpy()
+    both_test = side.loc[pairs["chosen"]].to_numpy() & side.loc[pairs["rejected"]].to_numpy()
+    train_pairs, test_pairs = pairs[both_train], pairs[both_test]
+    skipped["pairs_straddling_split"] = int(len(pairs) - both_train.sum() - both_test.sum())
+    if len(train_pairs) < config.min_train_rows:
+        skipped_heads["selection"] = f"{len(train_pairs)} training pairs, need {config.min_train_rows}"
+    else:
+        pos = pd.Series(np.arange(len(train)), index=train.index)
+        log.info("training head", head="selection", pairs=len(train_pairs), backend=config.backend)
+        head = setup_pairwise(config).fit(
+            train.reset_index(),
+            pos.loc[train_pairs["chosen"]].to_numpy(),
+            pos.loc[train_pairs["rejected"]].to_numpy(),
+            train_pairs["weight"].to_numpy(dtype=float),
+        )
+        lp = test["mean_logprob"]
+        tscore = pd.Series(head.score(test.reset_index()) if len(test) else np.zeros(0), index=test.index)
+        metrics["selection"] = ev.pairwise_report(
+            tscore.loc[test_pairs["chosen"]].to_numpy(),
+            tscore.loc[test_pairs["rejected"]].to_numpy(),
+            lp.loc[test_pairs["chosen"]].to_numpy(dtype=float),
+            lp.loc[test_pairs["rejected"]].to_numpy(dtype=float),
+            test_pairs["chosen_pos"].to_numpy(),
+            test_pairs["rejected_pos"].to_numpy(),
+        )
+        heads["selection"] = head
+    if not heads:
+        raise TrainingDataError(
+            "No reward head could be trained: "
+            + "; ".join(f"{k}: {v}" for k, v in skipped_heads.items())
+            + ". Collect more signals."
+        )
+
+    weights = {name: config.weights.get(name, 0.0) for name in heads}
+    bundle = RewardBundle(
+        heads=heads, weights=weights, meta={"trained_at": now.isoformat(), "cutoff": cutoff.isoformat()}
+    )
+    bundle.privileged, metrics["privileged"] = _train_privileged(train, test, signals, config)
+    metrics["bundle"] = bundle_metrics(bundle, test.reset_index(), test_pairs, config.positive_threshold)
+
+    current = registry.current_promoted(engine)
+    current_primary: float | None = None
+    if current is not None:
+        try:
+            current_bundle = registry.load_bundle(current)
+            metrics["current"] = bundle_metrics(
+                current_bundle, test.reset_index(), test_pairs, config.positive_threshold
+            )
+            current_primary = metrics["current"]["primary"]
+        except registry.CorruptArtifact as exc:
+            metrics["current"] = {"error": str(exc)}
+    status, reason = _decide(metrics, heads, current, current_primary, config)
+
+    reference = bundle.score(test.reset_index()) if len(test) else np.zeros(0)
+    ref_sample = np.random.default_rng(config.seed).permutation(reference)[:1000] if len(reference) else reference
+    digest, path = registry.save_bundle(bundle, home / config.artifacts_dir)
+    version = registry.next_version_id(engine, digest)
+    window = (frame["occurred_at"].min().to_pydatetime(), frame["occurred_at"].max().to_pydatetime())
+    registry.register(
+        engine,
+        version=version,
+        bundle_hash=digest,
+        path=path,
+        backend=config.backend,
+        status=status,
+        reason=reason,
+        window=window,
+        n_labeled=len(labeled),
+        primary_metric=metrics["bundle"]["primary"],
+        config=resolved_config or config.model_dump(mode="json"),
+        metrics=_jsonable(metrics),
+        reference_scores=[float(x) for x in ref_sample if np.isfinite(x)],
+        now=datetime.now(UTC),
+    )
+    log.info("reward model registered", version=version, status=status, reason=reason)
+    return TrainReport(
+        version=version,
+        status=status,
+        reason=reason,
+        primary_metric=metrics["bundle"]["primary"],
+        current_version=current.version if current else None,
+        current_primary_metric=current_primary,
+        metrics=_jsonable(metrics),
+        heads=sorted(heads),
+        skipped_heads=skipped_heads,
+        skipped=skipped,
+        coverage=_jsonable(coverage(labels.sessions, config.weights)),
+        position_bias=labels.position,
+        window={"start": window[0].isoformat(), "end": window[1].isoformat(), "holdout_from": cutoff.isoformat()},
+        n_train=len(train),
+        n_holdout=len(test),
+        extra=extra,
+    )
+
+
+def _decide(
+    metrics: dict[str, Any], heads: dict[str, Any], current: Any, current_primary: float | None, config: RewardsConfig
+) -> tuple[str, str]:
+    """Promotion gate: finite scores, every head over its trivial baseline, and better than the current version."""
+    bundle = metrics["bundle"]
+    if not bundle["finite"]:
+        return registry.CANDIDATE, "scores are not finite on the hold-out"
+    for name in heads:
+        m = metrics[name]
+        value, base = (
+            (m["pairwise_acc"], m["pairwise_acc_baseline"]) if name == "selection" else (m["auc"], m["auc_baseline"])
+        )
+        if value is None or base is None:
+            return registry.CANDIDATE, f"{name}: hold-out metric undefined (too few hold-out labels of both classes)"
+        if value < base + config.min_auc_over_baseline:
+            return (
+                registry.CANDIDATE,
+                f"{name}: {value:.3f} does not beat the trivial baseline {base:.3f} by {config.min_auc_over_baseline}",
+            )
+    if bundle["primary"] is None:
+        return registry.CANDIDATE, "no hold-out metric for the bundle"
+    if current is None:
+        return registry.PROMOTED, "first version that beats the baselines"
+    if current_primary is None:
+        return registry.PROMOTED, f"current version {current.version} could not be evaluated on this hold-out"
+    if bundle["primary"] > current_primary + config.promote_min_delta:
+        return (
+            registry.PROMOTED,
+            f"beats {current.version}: {bundle['primary']:.4f} > {current_primary:.4f} on the same hold-out",
+        )
+    return (
+        registry.CANDIDATE,
+        f"does not beat {current.version}: {bundle['primary']:.4f} <= {current_primary:.4f} on the same hold-out",
+    )
+
+
+def _final_texts(signals: pd.DataFrame) -> pd.Series:
+    """The user's final text per session at its longest measured horizon."""
+    if signals.empty:
+        return pd.Series(dtype=object)
+    ret = signals[signals["type"] == "code.retained"].copy()
+    ret["final_text"] = ret["payload"].map(lambda p: p.get("final_text"))
+    ret = ret.dropna(subset=["final_text", "session_id"])
+    if ret.empty:
+        return pd.Series(dtype=object)
+    ret = ret.sort_values(["horizon_s", "occurred_at", "event_id"], kind="stable").drop_duplicates(
+        "session_id", keep="last"
+    )
+    return ret.set_index("session_id")["final_text"]
+
+
+def _train_privileged(
+    train: pd.DataFrame, test: pd.DataFrame, signals: pd.DataFrame, config: RewardsConfig
+) -> tuple[PrivilegedModel | None, dict[str, Any]]:
+    """Fit the privileged (final_text-aware) retention model; for labeling and audit only."""
+    final = _final_texts(signals)
+    tr = train[train["retention_final"].astype(bool) & train.index.isin(final.index)]
+    te = test[test["retention_final"].astype(bool) & test.index.isin(final.index)]
+    y_tr = (tr["retention"].to_numpy() >= config.positive_threshold).astype(int)
+    if len(tr) < config.min_train_rows or len(np.unique(y_tr)) < 2:
+        return None, {"skipped": f"{len(tr)} sessions with final_text and a final label (need both classes)"}
+    model = PrivilegedModel(config).fit(tr["completion_text"], final.loc[tr.index], y_tr)
+    y_te = (te["retention"].to_numpy() >= config.positive_threshold).astype(int)
+    scores = model.score(te["completion_text"], final.loc[te.index]) if len(te) else np.zeros(0)
+    return model, {"auc": ev.auc(y_te, scores), "n": len(te), "serving": False}
+
+
+def _jsonable(obj: Any) -> Any:
+    """Plain JSON data: NaN becomes None, NumPy scalars become Python numbers."""
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, np.generic):
+        obj = obj.item()
+    if isinstance(obj, float) and not np.isfinite(obj):
+        return None
+    return obj

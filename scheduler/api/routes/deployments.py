@@ -1,0 +1,111 @@
+"""Deployments: the version each pool serves, rollouts, promotion and rollback.
+
+Starting a rollout, promoting and rolling back are jobs for the scheduler's Celery workers
+(they talk to replicas for minutes); the call answers 202 with the job to follow.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, HTTPException, Path, Query, Request, status
+
+from scheduler.api import sources
+from scheduler.api.deps import EngineDep, OperatorDep, SessionDep, ViewerDep, audit
+from scheduler.api.schemas import NAME_PATTERN, ActionRequest, Deployment, Job, Page, PoolStatus, RolloutRequest
+
+router = APIRouter(prefix="/deployments", tags=["deployments"])
+
+DeploymentPath = Annotated[int, Path(ge=1, le=2**62, description="Deployment id.")]
+
+
+def _get(session: SessionDep, deployment_id: int) -> Deployment:
+    row = sources.deployment(session, deployment_id)
+    if row is None:
+        raise HTTPException(404, f"no deployment {deployment_id}; list them with GET /api/v1/deployments")
+    return Deployment.model_validate(row, from_attributes=True)
+
+
+@router.get("/current", response_model=list[PoolStatus], summary="Current version per pool")
+def current(_: ViewerDep, session: SessionDep) -> list[PoolStatus]:
+    """Each pool's target version, the versions its replicas report, and its latest rollout's state."""
+    return [PoolStatus(**p) for p in sources.current_deployments(session)]
+
+
+@router.get("", response_model=Page[Deployment], summary="List deployments")
+def list_deployments(
+    _: ViewerDep,
+    session: SessionDep,
+    pool: Annotated[str | None, Query(max_length=64, pattern=NAME_PATTERN)] = None,
+    status: Literal["running", "succeeded", "rolled_back", "failed"] | None = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    offset: Annotated[int, Query(ge=0, le=10**9)] = 0,
+) -> Page[Deployment]:
+    """Newest first, with their stages and gate outcomes."""
+    rows, total = sources.deployments(session, pool=pool, status=status, limit=limit, offset=offset)
+    items = [Deployment.model_validate(r, from_attributes=True) for r in rows]
+    return Page[Deployment](items=items, total=total, limit=limit, offset=offset)
+
+
+@router.get("/{deployment_id}", response_model=Deployment, summary="One deployment")
+def get_deployment(_: ViewerDep, session: SessionDep, deployment_id: DeploymentPath) -> Deployment:
+    """Its stages, the replicas each touched, and each gate's metrics."""
+    return _get(session, deployment_id)
+
+
+def _submit(request: Request, engine: EngineDep, kind: str, params: dict[str, object], actor: str) -> Job:
+    try:
+        job = sources.submit_job(engine, kind, params, actor=actor, settings=request.app.state.settings)
+    except sources.Unavailable as exc:
+        raise HTTPException(503, str(exc)) from exc
+    audit(request, f"deployment.{kind}", job_id=job.id, **params)
+    return job
+
+
+@router.post("", response_model=Job, status_code=status.HTTP_202_ACCEPTED, summary="Start a rollout")
+def start_rollout(request: Request, principal: OperatorDep, engine: EngineDep, body: RolloutRequest) -> Job:
+    """Roll ``version`` out to ``pool``: canary first, gated stages after, automatic rollback on a failed gate."""
+    audit(request, "deployment.rollout")
+    params: dict[str, object] = {"version": body.version, "pool": body.pool, "reason": body.reason}
+    return _submit(request, engine, "rollout", params, principal.name)
+
+
+@router.post(
+    "/{deployment_id}/promote", response_model=Job, status_code=status.HTTP_202_ACCEPTED, summary="Promote a canary"
+)
+def promote(
+    request: Request,
+    principal: OperatorDep,
+    engine: EngineDep,
+    session: SessionDep,
+    deployment_id: DeploymentPath,
+    body: ActionRequest | None = None,
+) -> Job:
+    """Skip the remaining gates of a running rollout and move the whole pool to its version."""
+    audit(request, "deployment.promote", deployment_id=deployment_id)
+    dep = _get(session, deployment_id)
+    if dep.status != "running":
+        raise HTTPException(409, f"deployment {deployment_id} is {dep.status}; only a running rollout can be promoted")
+    params: dict[str, object] = {"deployment_id": deployment_id, "pool": dep.pool, "version": dep.to_version}
+    params["reason"] = body.reason if body else ""
+    return _submit(request, engine, "promote", params, principal.name)
+
+
+@router.post("/{deployment_id}/rollback", response_model=Job, status_code=status.HTTP_202_ACCEPTED, summary="Roll back")
+def rollback(
+    request: Request,
+    principal: OperatorDep,
+    engine: EngineDep,
+    session: SessionDep,
+    deployment_id: DeploymentPath,
+    body: ActionRequest | None = None,
+) -> Job:
+    """Move the pool back to the version it served before this deployment."""
+    audit(request, "deployment.rollback", deployment_id=deployment_id)
+    dep = _get(session, deployment_id)
+    if dep.status == "rolled_back":
+        raise HTTPException(409, f"deployment {deployment_id} is already rolled back")
+    params: dict[str, object] = {"deployment_id": deployment_id, "pool": dep.pool, "version": dep.to_version}
+    params["back_to"] = dep.from_version
+    params["reason"] = body.reason if body else ""
+    return _submit(request, engine, "rollback", params, principal.name)

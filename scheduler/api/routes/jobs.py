@@ -1,0 +1,97 @@
+"""Retrains and jobs: trigger a reward-model retrain or an RL run, follow it, cancel it."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Path, Query, Request, status
+
+from scheduler.api import sources
+from scheduler.api.deps import EngineDep, OperatorDep, SessionDep, ViewerDep, audit
+from scheduler.api.schemas import NAME_PATTERN, ActionRequest, Job, Page, RetrainRequest
+
+router = APIRouter(tags=["jobs"])
+
+JobPath = Annotated[str, Path(max_length=64, pattern=NAME_PATTERN, description="Job id.")]
+RETRAIN_KINDS = {"reward_model": "reward_model_retrain", "rl_run": "rl_update"}
+
+
+@router.post(
+    "/retrains",
+    response_model=Job,
+    status_code=status.HTTP_202_ACCEPTED,
+    summary="Trigger a retrain",
+    responses={503: {"description": "No job queue is configured."}},
+)
+def create_retrain(request: Request, principal: OperatorDep, engine: EngineDep, body: RetrainRequest) -> Job:
+    """Queue a reward-model retrain or an RL run on a telemetry window; answers with the job to follow."""
+    audit(request, "retrain.create", kind=body.kind)
+    until = body.until or datetime.now(UTC)
+    since = body.since
+    if body.window_hours is not None:
+        if since is not None:
+            raise HTTPException(422, "give either `since` or `window_hours`, not both.")
+        since = until - timedelta(hours=body.window_hours)
+    if since is not None and since >= until:
+        raise HTTPException(422, "`since` must be before `until`.")
+    params = {
+        "since": since.isoformat() if since else None,
+        "until": until.isoformat(),
+        "reason": body.reason,
+        "requested_by": principal.name,
+    }
+    try:
+        job = sources.submit_job(
+            engine, RETRAIN_KINDS[body.kind], params, actor=principal.name, settings=request.app.state.settings
+        )
+    except sources.Unavailable as exc:
+        raise HTTPException(503, str(exc)) from exc
+    audit(request, "retrain.create", job_id=job.id, since=params["since"], until=params["until"])
+    return job
+
+
+@router.get("/jobs", response_model=Page[Job], summary="List jobs")
+def list_jobs(
+    _: ViewerDep,
+    session: SessionDep,
+    kind: Annotated[str | None, Query(max_length=64, pattern=NAME_PATTERN)] = None,
+    state: Annotated[str | None, Query(max_length=32, pattern=NAME_PATTERN)] = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    offset: Annotated[int, Query(ge=0, le=10**9)] = 0,
+) -> Page[Job]:
+    """Newest first, with their state, inputs and outputs."""
+    try:
+        items, total = sources.list_jobs(session, kind=kind, state=state, limit=limit, offset=offset)
+    except sources.Unavailable as exc:
+        raise HTTPException(503, str(exc)) from exc
+    return Page[Job](items=items, total=total, limit=limit, offset=offset)
+
+
+@router.get("/jobs/{job_id}", response_model=Job, summary="One job")
+def get_job(_: ViewerDep, session: SessionDep, job_id: JobPath) -> Job:
+    """State, inputs, outputs and error of one job."""
+    try:
+        job = sources.get_job(session, job_id)
+    except sources.Unavailable as exc:
+        raise HTTPException(503, str(exc)) from exc
+    if job is None:
+        raise HTTPException(404, f"no job {job_id!r}; list them with GET /api/v1/jobs")
+    return job
+
+
+@router.post("/jobs/{job_id}/cancel", response_model=Job, summary="Cancel a job")
+def cancel_job(
+    request: Request, principal: OperatorDep, engine: EngineDep, job_id: JobPath, body: ActionRequest | None = None
+) -> Job:
+    """Revoke a queued or running job. A finished job answers 409."""
+    audit(request, "job.cancel", job_id=job_id, reason=body.reason if body else None)
+    try:
+        job = sources.cancel_job(engine, job_id, actor=principal.name, settings=request.app.state.settings)
+    except sources.Unavailable as exc:
+        raise HTTPException(503, str(exc)) from exc
+    except sources.Conflict as exc:
+        raise HTTPException(409, str(exc)) from exc
+    if job is None:
+        raise HTTPException(404, f"no job {job_id!r}")
+    return job

@@ -1,0 +1,417 @@
+"""Read and write the other layers' state for the API: one place that knows their tables.
+
+Routes and dashboards call these functions, never the tables directly, so a change in a
+layer's schema touches this module only.
+"""
+
+from __future__ import annotations
+
+import importlib
+from datetime import UTC, datetime
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import func, select
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session
+
+from ingest.db import session_factory, transaction
+from ingest.tables import SessionRow
+from reward_models.tables import RewardModelRow
+from scheduler.api.analytics import RewardFilter
+from scheduler.api.schemas import Job, PolicyVersion
+from scheduler.tables import BorrowEventRow, JobRow, LeaseRow
+from serving.tables import DeploymentRow, ReplicaRow, TargetRow
+
+if TYPE_CHECKING:
+    from scheduler.settings import Settings
+
+
+class Unavailable(RuntimeError):
+    """A part of the loop this API reads is not installed or not set up; the message says which."""
+
+
+def _optional(name: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name and name.startswith(exc.name):
+            return None
+        raise
+
+
+# Reward models ---------------------------------------------------------------------------------
+
+
+def reward_model_versions(
+    session: Session, *, status: str | None, limit: int, offset: int
+) -> tuple[list[RewardModelRow], int]:
+    """Registered reward-model versions, newest first, and how many match."""
+    stmt = select(RewardModelRow)
+    if status:
+        stmt = stmt.where(RewardModelRow.status == status)
+    total = session.scalar(select(func.count()).select_from(stmt.subquery())) or 0
+    rows = session.scalars(stmt.order_by(RewardModelRow.created_at.desc()).limit(limit).offset(offset))
+    return list(rows), total
+
+
+def reward_model(session: Session, version: str) -> RewardModelRow | None:
+    """One reward-model version, or None."""
+    return session.get(RewardModelRow, version)
+
+
+def reward_model_lineage(session: Session, version: str) -> list[str]:
+    """The promoted versions before ``version`` (each replaced the previous), oldest first, then it."""
+    row = session.get(RewardModelRow, version)
+    if row is None:
+        return []
+    earlier = session.scalars(
+        select(RewardModelRow.version)
+        .where(RewardModelRow.created_at < row.created_at, RewardModelRow.promoted_at.is_not(None))
+        .order_by(RewardModelRow.created_at)
+    )
+    return [*earlier, version]
+
+
+# Fleet and deployments (serving) ----------------------------------------------------------------
+
+
+def replicas(session: Session, *, pool: str | None, state: str | None) -> list[ReplicaRow]:
+    """Registered replicas, by pool then id."""
+    stmt = select(ReplicaRow)
+    if pool:
+        stmt = stmt.where(ReplicaRow.pool == pool)
+    if state:
+        stmt = stmt.where(ReplicaRow.state == state)
+    return list(session.scalars(stmt.order_by(ReplicaRow.pool, ReplicaRow.id)))
+
+
+def replica_state_counts(session: Session) -> dict[tuple[str, str], int]:
+    """Number of replicas per (pool, state)."""
+    rows = session.execute(
+        select(ReplicaRow.pool, ReplicaRow.state, func.count()).group_by(ReplicaRow.pool, ReplicaRow.state)
+    )
+    return {(pool, state): n for pool, state, n in rows}
+
+
+def deployments(
+    session: Session, *, pool: str | None, status: str | None, limit: int, offset: int
+) -> tuple[list[DeploymentRow], int]:
+    """Deployments, newest first, and how many match."""
+    stmt = select(DeploymentRow)
+    if pool:
+        stmt = stmt.where(DeploymentRow.pool == pool)
+    if status:
+        stmt = stmt.where(DeploymentRow.status == status)
+    total = session.scalar(select(func.count()).select_from(stmt.subquery())) or 0
+    rows = session.scalars(
+        stmt.order_by(DeploymentRow.started_at.desc(), DeploymentRow.id.desc()).limit(limit).offset(offset)
+    )
+    return list(rows), total
+
+
+def deployment(session: Session, deployment_id: int) -> DeploymentRow | None:
+    """One deployment with its stages, or None."""
+    return session.get(DeploymentRow, deployment_id)
+
+
+def current_deployments(session: Session) -> list[dict[str, Any]]:
+    """Per pool: the version it should serve, its replicas' versions, and its latest rollout."""
+    pools = set(session.scalars(select(TargetRow.pool))) | set(session.scalars(select(ReplicaRow.pool).distinct()))
+    out = []
+    for pool in sorted(pools):
+        target = session.get(TargetRow, pool)
+        latest = session.scalars(
+            select(DeploymentRow)
+            .where(DeploymentRow.pool == pool)
+            .order_by(DeploymentRow.started_at.desc(), DeploymentRow.id.desc())
+            .limit(1)
+        ).first()
+        serving = session.execute(
+            select(ReplicaRow.version, func.count()).where(ReplicaRow.pool == pool).group_by(ReplicaRow.version)
+        ).all()
+        out.append(
+            {
+                "pool": pool,
+                "version": target.version if target else None,
+                "weights_hash": target.weights_hash if target else None,
+                "replica_versions": {v or "unknown": n for v, n in serving},
+                "state": latest.status if latest else "none",
+                "latest_deployment_id": latest.id if latest else None,
+            }
+        )
+    return out
+
+
+class Conflict(RuntimeError):
+    """The request contradicts the resource's state (e.g. cancelling a finished job)."""
+
+
+# Jobs (scheduler) -------------------------------------------------------------------------------
+
+FINISHED_STATES = frozenset({"SUCCESS", "FAILURE", "REVOKED", "LOST"})
+"""Job states (see :mod:`scheduler.tasks.base`) after which there is nothing left to cancel."""
+CANCELLED = "REVOKED"
+
+# Which Celery tasks a job of each kind runs (a chain runs its tasks in order; the job id is
+# the first task's, which is also the chain id every task of it records).
+JOB_TASKS: dict[str, tuple[str, ...]] = {
+    "reward_model_retrain": ("undertow.retrain",),
+    "rl_update": ("undertow.rl_update", "undertow.snapshot", "undertow.canary", "undertow.promote"),
+    "rollout": ("undertow.canary", "undertow.promote"),
+    "promote": ("undertow.promote",),
+    "rollback": ("undertow.rollback",),
+}
+
+
+def _job(row: JobRow) -> Job:
+    return Job(
+        id=row.id,
+        kind=row.name,
+        state=row.state,
+        created_at=row.created_at,
+        started_at=row.started_at,
+        finished_at=row.finished_at,
+        params=dict(row.inputs or {}),
+        result=dict(row.outputs or {}),
+        error=row.error,
+    )
+
+
+def _celery(settings: Settings) -> Any:
+    from scheduler.celery_app import make_celery
+
+    celery = make_celery(settings)
+    if str(celery.conf.broker_url).startswith("sqla+"):
+        # kombu's SQLAlchemy transport hands every transport option to ``create_engine``, which
+        # refuses ``polling_interval`` (a consumer-side setting a producer does not need).
+        options = dict(celery.conf.broker_transport_options or {})
+        options.pop("polling_interval", None)
+        celery.conf.broker_transport_options = options
+    return celery
+
+
+def _chain_state(kind: str, job_id: str, params: dict[str, Any]) -> dict[str, Any]:
+    """The JSON state the loop's tasks carry (see :mod:`scheduler.tasks.steps`)."""
+    state: dict[str, Any] = {"run_id": job_id, "requested_via": "api", **params}
+    if kind == "reward_model_retrain":
+        state["force"] = True
+        state["window"] = {"since": params.get("since"), "until": params.get("until")}
+    if kind in ("rollout", "promote", "rollback"):
+        state["policy_version"] = params.get("version")
+    if kind == "promote":
+        state["canary"] = {"passed": True, "forced_by": params.get("requested_by")}
+    return state
+
+
+def submit_job(engine: Engine, kind: str, params: dict[str, Any], *, actor: str, settings: Settings) -> Job:
+    """Record a job of ``kind`` (a row in the scheduler's job table, state ``PENDING``) and send its
+    Celery tasks; the workers update the row as it runs. :class:`Unavailable` when the broker
+    cannot be reached (the row then says ``FAILURE`` and why)."""
+    import uuid
+
+    from celery import chain
+
+    from scheduler.tasks.base import record
+
+    tasks = JOB_TASKS[kind]
+    job_id = uuid.uuid4().hex
+    state = _chain_state(kind, job_id, {**params, "requested_by": actor})
+    record(engine, job_id, name=tasks[0], state="PENDING", inputs={"args": [state], "kwargs": {}, "job_kind": kind})
+    celery = _celery(settings)
+    first = celery.signature(tasks[0], args=(state,)).set(task_id=job_id)
+    canvas = chain(first, *(celery.signature(t) for t in tasks[1:])) if len(tasks) > 1 else first
+    try:
+        canvas.apply_async(retry=True, retry_policy={"max_retries": 2, "interval_start": 0.2, "interval_step": 0.5})
+    except Exception as exc:  # the broker is down or misconfigured: say so, keep the record
+        record(engine, job_id, state="FAILURE", error=f"could not queue: {type(exc).__name__}: {exc}")
+        raise Unavailable(
+            f"the job queue did not accept the job ({type(exc).__name__}); check the Celery broker"
+        ) from exc
+    with session_factory(engine)() as session:
+        job = get_job(session, job_id)
+    assert job is not None
+    return job
+
+
+def list_jobs(
+    session: Session, *, kind: str | None, state: str | None, limit: int, offset: int
+) -> tuple[list[Job], int]:
+    """Jobs, newest first, and how many match."""
+    stmt = select(JobRow)
+    if kind:
+        stmt = stmt.where(JobRow.name == kind)
+    if state:
+        stmt = stmt.where(JobRow.state == state)
+    total = session.scalar(select(func.count()).select_from(stmt.subquery())) or 0
+    rows = session.scalars(stmt.order_by(JobRow.created_at.desc(), JobRow.id).limit(limit).offset(offset))
+    return [_job(r) for r in rows], total
+
+
+def get_job(session: Session, job_id: str) -> Job | None:
+    """One job, or None."""
+    row = session.get(JobRow, job_id)
+    return _job(row) if row is not None else None
+
+
+def cancel_job(engine: Engine, job_id: str, *, actor: str, settings: Settings) -> Job | None:
+    """Revoke a queued or running job; None when there is no such job, :class:`Conflict` when it finished."""
+    with transaction(engine) as session:
+        row = session.get(JobRow, job_id)
+        if row is None:
+            return None
+        if row.state in FINISHED_STATES:
+            raise Conflict(f"job {job_id} already finished ({row.state}); nothing to cancel")
+        row.state = CANCELLED
+        row.finished_at = datetime.now(UTC)
+        row.error = f"cancelled by {actor}"
+        job = _job(row)
+    _revoke(job_id, settings)
+    return job
+
+
+def _revoke(job_id: str, settings: Settings) -> None:
+    """Tell the Celery workers to drop the task (remote control needs a broadcast-capable broker:
+    Redis or RabbitMQ; on the SQLAlchemy transport the job row's state is what workers see)."""
+    if settings.scheduler.celery_broker_url:
+        _celery(settings).control.revoke(job_id, terminate=True)
+
+
+def job_state_counts(session: Session) -> dict[tuple[str, str], int]:
+    """Number of jobs per (kind, state)."""
+    rows = session.execute(select(JobRow.name, JobRow.state, func.count()).group_by(JobRow.name, JobRow.state))
+    return {(kind, state): n for kind, state, n in rows}
+
+
+BORROW_STARTS = frozenset({"lent", "lend", "borrowed", "acquired"})
+BORROW_ENDS = frozenset({"returned", "released", "expired", "preempted", "reclaimed"})
+
+
+def borrow_windows(
+    session: Session, *, pool: str | None, since: datetime | None, until: datetime | None
+) -> list[dict[str, Any]]:
+    """Windows in which replicas were lent, oldest first: from the borrow event log, where a window
+    opens at a lending event and closes at a return or expiry; a lease still held is an open window."""
+    stmt = select(BorrowEventRow).order_by(BorrowEventRow.at, BorrowEventRow.id)
+    if pool:
+        stmt = stmt.where(BorrowEventRow.pool == pool)
+    open_: dict[str, dict[str, Any]] = {}
+    windows: list[dict[str, Any]] = []
+    for ev in session.scalars(stmt):
+        if ev.event in BORROW_STARTS and ev.replica_id not in open_:
+            open_[ev.replica_id] = {
+                "replica": ev.replica_id,
+                "pool": ev.pool,
+                "purpose": (ev.detail or {}).get("purpose"),
+                "start": _aware(ev.at),
+                "end": None,
+                "info": {"holder": ev.holder},
+            }
+        elif ev.event in BORROW_ENDS and ev.replica_id in open_:
+            window = open_.pop(ev.replica_id)
+            window["end"] = _aware(ev.at)
+            window["info"]["ended_by"] = ev.event
+            windows.append(window)
+    windows.extend(open_.values())
+    leases = select(LeaseRow).where(LeaseRow.released_at.is_(None))
+    if pool:
+        leases = leases.where(LeaseRow.pool == pool)
+    for lease in session.scalars(leases):
+        if lease.replica_id not in open_:
+            windows.append(
+                {
+                    "replica": lease.replica_id,
+                    "pool": lease.pool,
+                    "purpose": lease.purpose,
+                    "start": _aware(lease.acquired_at),
+                    "end": None,
+                    "info": {"holder": lease.holder, "state": lease.state},
+                }
+            )
+    lo = since.astimezone(UTC) if since else None
+    hi = until.astimezone(UTC) if until else None
+    kept = [
+        w for w in windows if (lo is None or w["end"] is None or w["end"] >= lo) and (hi is None or w["start"] < hi)
+    ]
+    return sorted(kept, key=lambda w: (w["start"], w["replica"]))
+
+
+def _aware(ts: datetime) -> datetime:
+    return ts.replace(tzinfo=UTC) if ts.tzinfo is None else ts.astimezone(UTC)
+
+
+# Policy versions ---------------------------------------------------------------------------------
+
+
+def _weight_manifests(settings: Settings) -> list[Any]:
+    """Manifests of the weight store the settings point at, oldest first (none when it is empty)."""
+    from pathlib import Path
+
+    from policy.weights import WeightStore
+
+    url = settings.policy.weights_url
+    if "://" not in url and not Path(url).is_absolute():
+        url = str(settings.home / url)
+    return WeightStore(url, settings.policy.weights).manifests()
+
+
+def _all_policy_versions(session: Session, settings: Settings) -> list[PolicyVersion]:
+    """Every known policy version, newest first: those in the weight store (parent, step, time)
+    and those seen only in telemetry (served by an engine this store did not produce)."""
+    serving = {t.version: t.pool for t in session.scalars(select(TargetRow))}
+    out: dict[str, PolicyVersion] = {}
+    for m in _weight_manifests(settings):
+        out[m.version] = PolicyVersion(
+            version=m.version,
+            parent=m.parent,
+            created_at=datetime.fromisoformat(m.created_at),
+            step=m.meta.get("step"),
+            status=f"serving ({serving[m.version]})" if m.version in serving else "stored",
+            info={"seq": m.seq, "version_hash": m.version_hash, "meta": m.meta, "has_full": m.full is not None},
+        )
+    seen = session.execute(
+        select(SessionRow.policy_version, func.min(SessionRow.occurred_at), func.count()).group_by(
+            SessionRow.policy_version
+        )
+    ).all()
+    for version, first, n in seen:
+        info = {"sessions": n, "first_served": _aware(first).isoformat()}
+        if version in out:
+            out[version].info.update(info)
+        else:
+            status = f"serving ({serving[version]})" if version in serving else "seen in telemetry"
+            out[version] = PolicyVersion(
+                version=version, parent=None, created_at=_aware(first), status=status, info=info
+            )
+    far_past = datetime.min.replace(tzinfo=UTC)
+    return sorted(out.values(), key=lambda p: (p.created_at or far_past, p.version), reverse=True)
+
+
+def policy_versions(
+    session: Session, settings: Settings, *, limit: int, offset: int
+) -> tuple[list[PolicyVersion], int]:
+    """Policy versions, newest first, and how many there are."""
+    versions = _all_policy_versions(session, settings)
+    return versions[offset : offset + limit], len(versions)
+
+
+def policy_version(session: Session, settings: Settings, version: str) -> PolicyVersion | None:
+    """One policy version, or None."""
+    return next((p for p in _all_policy_versions(session, settings) if p.version == version), None)
+
+
+def policy_lineage(session: Session, settings: Settings, version: str) -> list[str]:
+    """Parents back to the root, oldest first, ending with ``version``."""
+    parents = {p.version: p.parent for p in _all_policy_versions(session, settings)}
+    chain = [version]
+    while parents.get(chain[-1]) and parents[chain[-1]] not in chain:
+        chain.append(parents[chain[-1]])  # type: ignore[arg-type]
+    return chain[::-1]
+
+
+# Proxy vs real (reward-hacking guard) ------------------------------------------------------------
+
+
+def divergence(session: Session, f: RewardFilter) -> list[dict[str, Any]]:
+    """Per policy version: proxy reward, real outcome, sample size and the guard's flag."""
+    raise Unavailable("the reward-hacking guard is not available in this build.")

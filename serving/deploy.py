@@ -1,0 +1,236 @@
+"""Rolling a weights version out to a pool: canary, gated progressive stages, automatic rollback.
+
+Per replica: pull the update while it still serves (``undertow_prefetch``; a delta from the
+version it serves when the store has one, else the full snapshot), mark it ``updating``, pause
+it (new requests are held, running ones finish), apply with the hash check, resume, record.
+The canary stage updates ``canary_replicas``; each following stage brings the fleet up to a
+fraction in ``stages``. After every stage the gate compares the new version's online metrics
+(error rate, p50 latency, acceptance proxy) with the current version's, once the new version
+has served ``gate_min_requests``; a failed gate, or an update that fails, rolls every updated
+replica back (by the cheapest path: the reverse delta when the store has it, else the old
+snapshot) and leaves the pool's target where it was.
+
+Left out: traffic-share canaries (weighted routing to a canary); the canary here is whole
+replicas, which the balancer already shares traffic with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import structlog
+from sqlalchemy.engine import Engine
+
+from ingest.db import transaction
+from serving import fleet
+from serving.client import EngineClient, EngineError
+from serving.config import DeployConfig
+from serving.protocol import PrefetchRequest
+from serving.tables import DeploymentRow, DeploymentStageRow
+
+log = structlog.get_logger(__name__)
+
+MetricsSource = Callable[[], Awaitable[dict[str, Any]]]
+"""Returns ``{"versions": {version: {requests, errors, error_rate, latency_ms_p50, acceptance}}}``."""
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass
+class RolloutResult:
+    """What a rollout did (also recorded in ``serving_deployments``)."""
+
+    deployment_id: int
+    status: str
+    message: str
+    seconds: float
+    pause_ms: dict[str, float] = field(default_factory=dict)
+    pulled_bytes: dict[str, int] = field(default_factory=dict)
+    stages: list[dict[str, Any]] = field(default_factory=list)
+
+
+def gate(new: dict[str, Any] | None, old: dict[str, Any] | None, config: DeployConfig) -> tuple[bool, str]:
+    """Judge a stage: the new version's online metrics against the current version's.
+
+    Fails when the new version served fewer than ``gate_min_requests``, or its error rate rose by
+    more than ``gate_max_error_rate_delta``, or its p50 latency exceeds ``gate_max_latency_ratio``
+    times the old one, or its acceptance proxy dropped by more than ``gate_max_acceptance_drop``
+    (compared only when both versions have judged sessions).
+    """
+    if not new or new.get("requests", 0) < config.gate_min_requests:
+        return (
+            False,
+            f"the new version served {0 if not new else new.get('requests', 0)} requests, fewer than the minimum sample of {config.gate_min_requests}",
+        )
+    old = old or {}
+    rise = new["error_rate"] - old.get("error_rate", 0.0)
+    if rise > config.gate_max_error_rate_delta:
+        return False, f"error rate rose by {rise:.3f} (limit {config.gate_max_error_rate_delta})"
+    if old.get("latency_ms_p50") and new.get("latency_ms_p50"):
+        ratio = new["latency_ms_p50"] / old["latency_ms_p50"]
+        if ratio > config.gate_max_latency_ratio:
+            return False, f"p50 latency is {ratio:.2f}x the current version's (limit {config.gate_max_latency_ratio}x)"
+    if new.get("acceptance") is not None and old.get("acceptance") is not None:
+        drop = old["acceptance"] - new["acceptance"]
+        if drop > config.gate_max_acceptance_drop:
+            return False, f"acceptance dropped by {drop:.3f} (limit {config.gate_max_acceptance_drop})"
+    return True, "passed"
+
+
+def stage_sizes(n: int, config: DeployConfig) -> list[int]:
+    """Cumulative replica counts after each stage: the canary, then each fraction of the fleet."""
+    sizes = [min(n, config.canary_replicas)]
+    for fraction in config.stages:
+        size = min(n, max(sizes[-1], math.ceil(fraction * n)))
+        if size > sizes[-1]:
+            sizes.append(size)
+    if sizes[-1] < n:
+        sizes.append(n)
+    return sizes
+
+
+async def _wait_gate(
+    metrics: MetricsSource, new_v: str, old_v: str, config: DeployConfig
+) -> tuple[bool, str, dict[str, Any]]:
+    deadline = time.monotonic() + config.gate_max_wait_s
+    while True:
+        snap = (await metrics()).get("versions", {})
+        new, old = snap.get(new_v), snap.get(old_v)
+        if (new and new.get("requests", 0) >= config.gate_min_requests) or time.monotonic() > deadline:
+            ok, why = gate(new, old, config)
+            return ok, why, {"new": new, "old": old}
+        await asyncio.sleep(0.2)
+
+
+async def _move(
+    db: Engine, rep: fleet.Replica, version: str, weights_hash: str, kind: str, config: DeployConfig
+) -> tuple[int, float]:
+    """Update one replica (already prefetched or not); returns (bytes pulled, pause ms)."""
+    fleet.set_state(db, rep.id, "updating")
+    try:
+        async with EngineClient(rep.url) as client:
+            pulled, pause_ms = await fleet.update_replica(
+                client, version, weights_hash, from_version=None, kind=kind, pause_timeout_s=config.pause_timeout_s
+            )
+        fleet.record_weights(db, rep.id, version, weights_hash)
+        return int(pulled.get("bytes", 0)), pause_ms  # type: ignore[call-overload]
+    finally:
+        fleet.set_state(db, rep.id, "serving")
+
+
+async def rollout(
+    db: Engine,
+    to_version: str,
+    to_hash: str,
+    config: DeployConfig,
+    *,
+    pool: str = "default",
+    kind: str = "auto",
+    metrics: MetricsSource | None = None,
+) -> RolloutResult:
+    """Roll ``to_version`` out over ``pool`` (see module docstring); never raises for a failed stage."""
+    start = time.perf_counter()
+    target = fleet.get_target(db, pool)
+    if target is None:
+        raise ValueError(f"pool {pool!r} has no target version; set one with `undertow fleet target VERSION HASH`")
+    old_version, old_hash = target.version, target.weights_hash
+    replicas = [r for r in fleet.list_replicas(db, pool) if r.in_rotation]
+    if not replicas:
+        raise ValueError(f"pool {pool!r} has no replica in rotation to deploy to")
+    with transaction(db) as s:
+        row = DeploymentRow(
+            pool=pool,
+            from_version=old_version,
+            to_version=to_version,
+            to_hash=to_hash,
+            kind=kind,
+            status="running",
+            message="",
+            started_at=_now(),
+        )
+        s.add(row)
+        s.flush()
+        dep_id = row.id
+    result = RolloutResult(dep_id, "running", "", 0.0)
+    updated: list[fleet.Replica] = []
+    done = 0
+    failure = ""
+    for idx, size in enumerate(stage_sizes(len(replicas), config)):
+        batch = replicas[done:size]
+        name = "canary" if idx == 0 else f"stage-{idx}"
+        stage = {"name": name, "replicas": [r.id for r in batch], "outcome": "running", "started_at": _now()}
+
+        # Pull to every replica of the stage before any of them pauses.
+        async def pull(rep: fleet.Replica) -> None:
+            async with EngineClient(rep.url) as client:
+                await client.prefetch(PrefetchRequest(to_version=to_version, from_version=rep.version, kind=kind))  # type: ignore[arg-type]
+
+        try:
+            await asyncio.gather(*(pull(r) for r in batch))
+            for rep in batch:
+                nbytes, pause_ms = await _move(db, rep, to_version, to_hash, kind, config)
+                updated.append(rep)
+                result.pause_ms[rep.id], result.pulled_bytes[rep.id] = pause_ms, nbytes
+        except EngineError as exc:
+            stage["outcome"], failure = "error", f"{name}: update failed: {exc.message}"
+        if not failure and metrics is not None:
+            ok, why, observed = await _wait_gate(metrics, to_version, old_version, config)
+            stage["metrics"] = observed
+            if not ok:
+                stage["outcome"], failure = "failed", f"{name}: gate failed: {why}"
+        if not failure:
+            stage["outcome"] = "passed"
+        stage["finished_at"] = _now()
+        result.stages.append(stage)
+        done = size
+        if failure:
+            break
+    if failure:
+        log.warning("deploy.rollback", deployment=dep_id, reason=failure)
+        for rep in updated:
+            try:
+                await _move(db, rep, old_version, old_hash, "auto", config)
+            except EngineError as exc:
+                failure += f"; rollback of {rep.id} failed ({exc.message}), it leaves rotation until reconciled"
+        result.status, result.message = "rolled_back", failure
+    else:
+        fleet.set_target(db, to_version, to_hash, pool)
+        result.status, result.message = "succeeded", f"{len(replicas)} replicas on {to_version}"
+    result.seconds = time.perf_counter() - start
+    _record(db, dep_id, result)
+    log.info("deploy.finished", deployment=dep_id, status=result.status, seconds=round(result.seconds, 3))
+    return result
+
+
+def _record(db: Engine, dep_id: int, result: RolloutResult) -> None:
+    with transaction(db) as s:
+        row = s.get(DeploymentRow, dep_id)
+        assert row is not None
+        row.status, row.message, row.finished_at = result.status, result.message, _now()
+        for i, st in enumerate(result.stages):
+            s.add(
+                DeploymentStageRow(
+                    deployment_id=dep_id,
+                    idx=i,
+                    name=st["name"],
+                    replicas=st["replicas"],
+                    outcome=st["outcome"],
+                    metrics=_jsonable(st.get("metrics") or {}),
+                    started_at=st["started_at"],
+                    finished_at=st.get("finished_at"),
+                )
+            )
+
+
+def _jsonable(obj: Any) -> Any:
+    import json
+
+    return json.loads(json.dumps(obj, default=str))

@@ -1,0 +1,262 @@
+"""The CPU reference engine: vLLM 0.33's OpenAI-server subset over HTTP, running the torch policy.
+
+Endpoints (vLLM names and shapes): ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``,
+``POST /sleep?level=``, ``POST /wake_up``, ``GET /is_sleeping``, ``POST /pause``,
+``POST /resume``, ``GET /is_paused`` and ``POST /collective_rpc`` carrying the Undertow weight
+methods of :data:`serving.protocol.WEIGHT_RPC_METHODS` (the same methods the vLLM worker
+extension exposes). The weights version is also returned as ``system_fingerprint``.
+
+Pause holds new requests (they wait, they do not fail) until ``/resume``; with
+``wait_for_inflight_requests=true`` (what the deployer sends) it returns once running requests
+have finished, so weights never change under a running request. Sleeping requests get 503.
+On CPU there is nowhere to offload weights to: both sleep levels keep them in memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import structlog
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+
+from serving.config import EngineConfig
+from serving.protocol import (
+    ApplyRequest,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    PrefetchRequest,
+    RpcRequest,
+    Usage,
+)
+from serving.runner import ModelRunner, Sample
+from serving.weights import WeightUpdater
+
+log = structlog.get_logger(__name__)
+
+
+def openai_error(status: int, message: str, kind: str = "BadRequestError") -> JSONResponse:
+    """An error in the OpenAI/vLLM shape ``{"error": {"message", "type", "code"}}``."""
+    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "code": status}})
+
+
+def validation_message(exc: RequestValidationError) -> str:
+    """One readable line from a request validation error."""
+    parts = []
+    for err in exc.errors()[:5]:
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        parts.append(f"{loc or 'body'}: {err.get('msg')}")
+    return "invalid request: " + "; ".join(parts)
+
+
+class EngineState:
+    """Pause, sleep and in-flight bookkeeping (event-loop side only)."""
+
+    def __init__(self) -> None:
+        self.running = asyncio.Event()
+        self.running.set()
+        self.sleeping_level = 0
+        self.inflight = 0
+        self.idle = asyncio.Condition()
+        self.paused_at: float | None = None
+
+    async def enter(self) -> None:
+        await self.running.wait()
+        self.inflight += 1
+
+    async def leave(self) -> None:
+        async with self.idle:
+            self.inflight -= 1
+            self.idle.notify_all()
+
+    async def drain(self, timeout_s: float) -> None:
+        async with self.idle:
+            await asyncio.wait_for(self.idle.wait_for(lambda: self.inflight == 0), timeout_s)
+
+
+def encode_experts(array: np.ndarray) -> str:
+    """Base64 of a ``.npy`` file, as vLLM sends ``routed_experts``."""
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(array), allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _choice(
+    index: int, sample: Sample, prompt_ids: list[int], request: CompletionRequest, tokenizer: Any
+) -> CompletionChoice:
+    logprobs = None
+    if request.logprobs is not None:
+        tokens = [tokenizer.decode([t]) for t in sample.token_ids]
+        top = [{tok: lp} for tok, lp in zip(tokens, sample.logprobs, strict=True)] if request.logprobs else None
+        logprobs = CompletionLogprobs(tokens=tokens, token_logprobs=sample.logprobs, top_logprobs=top)
+    return CompletionChoice(
+        index=index,
+        text=sample.text,
+        logprobs=logprobs,
+        finish_reason=sample.finish_reason,  # type: ignore[arg-type]
+        stop_reason=sample.stop_reason,
+        prompt_token_ids=prompt_ids if request.return_token_ids else None,
+        token_ids=sample.token_ids if request.return_token_ids else None,
+        routed_experts=encode_experts(sample.routed_experts) if sample.routed_experts is not None else None,
+    )
+
+
+def create_engine_app(runner: ModelRunner, updater: WeightUpdater, config: EngineConfig) -> FastAPI:
+    """The engine's FastAPI app around a loaded runner and its weight updater."""
+    app = FastAPI(title="Undertow CPU engine", docs_url=None, redoc_url=None)
+    state = EngineState()
+    app.state.engine = state
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        return openai_error(400, validation_message(exc))
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {
+            "id": config.served_model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "undertow",
+            "root": str(runner.checkpoint),
+            "max_model_len": config.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: CompletionRequest) -> CompletionResponse | JSONResponse:
+        if request.model not in (None, config.served_model_name):
+            return openai_error(
+                404,
+                f"model {request.model!r} does not exist; this engine serves {config.served_model_name!r}",
+                "NotFoundError",
+            )
+        if request.max_tokens > config.max_tokens_limit:
+            return openai_error(
+                400, f"max_tokens {request.max_tokens} exceeds this engine's limit of {config.max_tokens_limit}"
+            )
+        if request.n > config.max_n:
+            return openai_error(400, f"n {request.n} exceeds this engine's limit of {config.max_n}")
+        try:
+            prompt_ids = runner.encode_prompt(request.prompt)
+        except ValueError as exc:
+            return openai_error(400, str(exc))
+        if len(prompt_ids) + request.max_tokens > config.max_model_len:
+            return openai_error(
+                400,
+                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({request.max_tokens}) exceeds the maximum context "
+                f"length of {config.max_model_len}; shorten the prompt or lower max_tokens",
+            )
+        if state.sleeping_level:
+            return openai_error(503, "the engine is sleeping; POST /wake_up first", "ServiceUnavailableError")
+        await state.enter()
+        try:
+            samples = await asyncio.to_thread(
+                runner.generate, request, prompt_ids, routed=config.enable_return_routed_experts
+            )
+            version = updater.version
+        finally:
+            await state.leave()
+        choices = [_choice(i, s, prompt_ids, request, runner.tokenizer) for i, s in enumerate(samples)]
+        completion_tokens = sum(len(s.token_ids) for s in samples)
+        return CompletionResponse(
+            id=f"cmpl-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=config.served_model_name,
+            choices=choices,
+            usage=Usage(
+                prompt_tokens=len(prompt_ids),
+                completion_tokens=completion_tokens,
+                total_tokens=len(prompt_ids) + completion_tokens,
+            ),
+            system_fingerprint=version,
+        )
+
+    @app.post("/pause")
+    async def pause(
+        wait_for_inflight_requests: bool = Query(True), timeout_s: float = Query(60.0, gt=0)
+    ) -> dict[str, Any]:
+        state.running.clear()
+        state.paused_at = state.paused_at or time.monotonic()
+        if wait_for_inflight_requests:
+            try:
+                await state.drain(timeout_s)
+            except TimeoutError:
+                return {"status": "paused", "drained": False, "inflight": state.inflight}
+        return {"status": "paused", "drained": state.inflight == 0, "inflight": state.inflight}
+
+    @app.post("/resume")
+    async def resume() -> dict[str, Any]:
+        paused_ms = (time.monotonic() - state.paused_at) * 1000 if state.paused_at else 0.0
+        state.paused_at = None
+        state.running.set()
+        return {"status": "resumed", "paused_ms": paused_ms}
+
+    @app.get("/is_paused")
+    async def is_paused() -> dict[str, bool]:
+        return {"is_paused": not state.running.is_set()}
+
+    @app.post("/sleep")
+    async def sleep(level: int = Query(1, ge=0, le=2)) -> Response:
+        state.sleeping_level = max(level, 1)
+        return Response(status_code=200)
+
+    @app.post("/wake_up")
+    async def wake_up() -> Response:
+        state.sleeping_level = 0
+        return Response(status_code=200)
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> dict[str, bool]:
+        return {"is_sleeping": state.sleeping_level > 0}
+
+    @app.post("/collective_rpc", response_model=None)
+    async def collective_rpc(rpc: RpcRequest) -> dict[str, Any] | JSONResponse:
+        try:
+            if rpc.method == "undertow_weight_info":
+                result: Any = updater.info().model_dump()
+            elif rpc.method == "undertow_prefetch":
+                result = await asyncio.to_thread(updater.prefetch, PrefetchRequest(**rpc.kwargs))
+            elif rpc.method == "undertow_apply":
+                if state.running.is_set() or state.inflight:
+                    return openai_error(
+                        409, "pause the engine (POST /pause?wait_for_inflight_requests=true) before applying weights"
+                    )
+                result = (await asyncio.to_thread(updater.apply, ApplyRequest(**rpc.kwargs))).model_dump()
+            elif rpc.method == "undertow_discard":
+                updater.discard()
+                result = updater.info().model_dump()
+            else:
+                return openai_error(
+                    400, f"unknown method {rpc.method!r}; this engine answers {list(updater.methods())}"
+                )
+        except (ValueError, KeyError, FileNotFoundError) as exc:
+            log.warning("engine.rpc_failed", method=rpc.method, error=str(exc))
+            return openai_error(422, f"{rpc.method} failed: {exc}", "WeightUpdateError")
+        return {"results": [result]}
+
+    return app
+
+
+def serve(checkpoint: str, version: str, store_url: str | None, config: EngineConfig) -> None:
+    """Load ``checkpoint`` as ``version`` and serve the engine contract until interrupted."""
+    import uvicorn
+
+    runner = ModelRunner(checkpoint, threads=config.threads)
+    updater = WeightUpdater.for_runner(runner, version=version, store_url=store_url)
+    app = create_engine_app(runner, updater, config)
+    log.info("engine.ready", host=config.host, port=config.port, version=version, hash=updater.hash)
+    uvicorn.run(app, host=config.host, port=config.port, log_level="warning", access_log=False)

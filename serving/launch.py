@@ -1,0 +1,114 @@
+"""Start CPU engine replicas as separate processes (``undertow engine serve``) and wait for them.
+
+Used by the tests, the benchmark and the demo's stack launcher; each replica loads a checkpoint
+directory and pulls updates from a weight store.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from ingest.embedded import free_port
+
+
+@dataclass
+class EngineProcess:
+    """One ``undertow engine serve`` process on a loopback port."""
+
+    checkpoint: Path
+    version: str = "v0"
+    store: Path | None = None
+    port: int = 0
+    log_path: Path | None = None
+    threads: int = 1
+    process: subprocess.Popen[bytes] | None = field(default=None, init=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> EngineProcess:
+        """Spawn the process (returns at once; call :meth:`wait_ready`)."""
+        self.port = self.port or free_port()
+        cmd = [
+            sys.executable,
+            "-m",
+            "scheduler.cli",
+            "engine",
+            "serve",
+            "--checkpoint",
+            str(self.checkpoint),
+            "--version",
+            self.version,
+            "--port",
+            str(self.port),
+        ]
+        if self.store is not None:
+            cmd += ["--store", str(self.store)]
+        env = {
+            **os.environ,
+            "UNDERTOW_SERVING__ENGINE__THREADS": str(self.threads),
+            "OMP_NUM_THREADS": str(self.threads),
+        }
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout_s: float = 120.0) -> EngineProcess:
+        """Block until ``/health`` answers, or raise with the exit code."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"engine on port {self.port} exited with code {self.process.returncode}; see {self.log_path}"
+                )
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"engine on port {self.port} not ready in {timeout_s}s")
+
+    def kill(self) -> None:
+        """SIGKILL (fault tests)."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+def start_engines(
+    checkpoint: Path, n: int, *, store: Path | None, version: str = "v0", log_dir: Path | None = None
+) -> list[EngineProcess]:
+    """Start ``n`` replicas in parallel and wait for all of them."""
+    procs = [
+        EngineProcess(checkpoint, version, store, log_path=(log_dir / f"engine-{i}.log") if log_dir else None).start()
+        for i in range(n)
+    ]
+    try:
+        for p in procs:
+            p.wait_ready()
+    except Exception:
+        for p in procs:
+            p.kill()
+        raise
+    return procs

@@ -1,0 +1,260 @@
+"""Realistic demo-sized rows for the API and dashboard tests, written through the real paths.
+
+Telemetry goes through the ingest contract (``validate_event``) and writer; fleet, deployments
+and reward-model rows are written with the owning layers' tables. Four policy versions are
+served one after another, each better than the last (the users' hidden preference), so every
+chart has a visible trend; candidate groups mix the current and the previous version, so
+selection win rates differ by version.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from sqlalchemy.engine import Engine
+
+from ingest.db import transaction
+from ingest.schemas import validate_event
+from ingest.writer import write_events
+from reward_models.tables import RewardModelRow
+from serving.tables import DeploymentRow, DeploymentStageRow, ReplicaRow, TargetRow
+
+VERSIONS = ("v0", "v1", "v2", "v3")
+QUALITY = {"v0": 0.42, "v1": 0.52, "v2": 0.61, "v3": 0.70}
+HORIZONS = (300, 3600, 86400)
+MODEL = "undertow-coder"
+SECRET_PROMPT = "Write merge_intervals(xs) for the billing service"
+SECRET_CODE = "def merge_intervals(xs):\n    return sorted(xs)  # SECRET-CODE-MARKER\n"
+
+
+@dataclass
+class Seeded:
+    """What was written, for assertions."""
+
+    sessions: int = 0
+    signals: int = 0
+    session_ids: list[str] = field(default_factory=list)
+    start: datetime = datetime(2026, 1, 1, tzinfo=UTC)
+    end: datetime = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def _ts(t: datetime) -> str:
+    return t.isoformat().replace("+00:00", "Z")
+
+
+def _env(kind: str, session_id: str | None, at: datetime, payload: dict[str, Any], user: str) -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "schema_version": 1,
+        "event_id": str(uuid.uuid4()),
+        "type": kind,
+        "occurred_at": _ts(at),
+        "user_id": user,
+        "payload": payload,
+    }
+    if session_id is not None:
+        env["session_id"] = session_id
+    return env
+
+
+def seed_telemetry(engine: Engine, *, n_sessions: int = 600, seed: int = 7, now: datetime | None = None) -> Seeded:
+    """Write ``n_sessions`` sessions over the last ~36 hours with their signals."""
+    rng = np.random.default_rng(seed)
+    now = now or datetime.now(UTC)
+    start = now - timedelta(hours=36)
+    span = timedelta(hours=30)
+    events: list[dict[str, Any]] = []
+    out = Seeded(start=start, end=start + span)
+    i = 0
+    while i < n_sessions:
+        frac = i / n_sessions
+        at = start + span * frac
+        version = VERSIONS[min(int(frac * len(VERSIONS)), len(VERSIONS) - 1)]
+        user = f"user-{rng.integers(0, 40)}"
+        grouped = rng.random() < 0.3 and version != "v0"
+        k = 3 if grouped else 1
+        group_id = f"g-{uuid.uuid4().hex[:12]}" if grouped else None
+        previous = VERSIONS[VERSIONS.index(version) - 1]
+        members: list[tuple[str, str, float]] = []
+        for c in range(k):
+            v = version if (c == 0 or not grouped or rng.random() < 0.5) else previous
+            sid = f"s-{uuid.uuid4().hex}"
+            q = QUALITY[v]
+            utility = q + rng.normal(0, 0.15)
+            members.append((sid, v, utility))
+            payload: dict[str, Any] = {
+                "model": MODEL,
+                "policy_version": v,
+                "prompt": {"text": SECRET_PROMPT},
+                "segments": [
+                    {"role": "user", "text": SECRET_PROMPT},
+                    {"role": "assistant", "text": SECRET_CODE, "token_ids": [1, 2, 3], "logprobs": [-0.1, -0.2, -0.3]},
+                ],
+                "latency_ms": float(rng.uniform(80, 400)),
+            }
+            if grouped:
+                payload |= {"group_id": group_id, "candidate_index": c}
+            events.append(_env("session.completed", sid, at, payload, user))
+            out.session_ids.append(sid)
+            written = int(rng.integers(4, 30))
+            for h in HORIZONS:
+                if at + timedelta(seconds=h) <= now:
+                    kept = float(np.clip(utility - 0.08 * HORIZONS.index(h) + rng.normal(0, 0.05), 0, 1))
+                    events.append(
+                        _env(
+                            "code.retained",
+                            sid,
+                            at + timedelta(seconds=h),
+                            {"horizon_s": h, "lines_written": written, "lines_retained": round(kept * written)},
+                            user,
+                        )
+                    )
+            accepted = rng.random() < utility
+            events.append(
+                _env(
+                    "edit.accepted" if accepted else "edit.rejected",
+                    sid,
+                    at + timedelta(seconds=20),
+                    {"lines": written},
+                    user,
+                )
+            )
+            if rng.random() < 0.12 * (1 - q):
+                events.append(
+                    _env(
+                        "model.switched",
+                        sid,
+                        at + timedelta(minutes=5),
+                        {"from_model": MODEL, "to_model": "other"},
+                        user,
+                    )
+                )
+            if rng.random() < 0.15:
+                events.append(
+                    _env("feedback.thumbs", sid, at + timedelta(minutes=1), {"value": 1 if utility > 0.5 else -1}, user)
+                )
+        if grouped:
+            ids = [m[0] for m in members]
+            events.append(_env("candidates.shown", ids[0], at, {"group_id": group_id, "session_ids": ids}, user))
+            chosen = max(members, key=lambda m: m[2] + rng.normal(0, 0.1))[0]
+            events.append(
+                _env(
+                    "candidate.selected",
+                    chosen,
+                    at + timedelta(seconds=30),
+                    {"group_id": group_id, "chosen_session_id": chosen},
+                    user,
+                )
+            )
+        i += k
+    validated = [validate_event(e) for e in events]
+    with transaction(engine) as session:
+        result = write_events(session, validated)
+    out.sessions = sum(1 for e in events if e["type"] == "session.completed")
+    out.signals = result.stored - out.sessions
+    return out
+
+
+def seed_fleet(engine: Engine, now: datetime | None = None) -> None:
+    """Three replicas (one borrowed), a target per pool, and two deployments with stages."""
+    now = now or datetime.now(UTC)
+    with transaction(engine) as s:
+        for i, state in enumerate(("serving", "serving", "borrowed")):
+            s.add(
+                ReplicaRow(
+                    id=f"cpu-{i}",
+                    url=f"http://127.0.0.1:{8301 + i}",
+                    pool="default",
+                    region="local",
+                    backend="cpu",
+                    state=state,
+                    version="v3",
+                    weights_hash="h3",
+                    health="ok",
+                    failures=0,
+                    last_check=now,
+                    registered_at=now - timedelta(hours=40),
+                )
+            )
+        s.add(TargetRow(pool="default", version="v3", weights_hash="h3", updated_at=now - timedelta(hours=8)))
+        for n, (frm, to, status) in enumerate((("v1", "v2", "succeeded"), ("v2", "v3", "running")), start=1):
+            t0 = now - timedelta(hours=20 - 10 * n)
+            dep = DeploymentRow(
+                id=n,
+                pool="default",
+                from_version=frm,
+                to_version=to,
+                to_hash=f"h{to[1:]}",
+                kind="delta",
+                status=status,
+                message="",
+                started_at=t0,
+                finished_at=t0 + timedelta(minutes=4) if status != "running" else None,
+            )
+            dep.stages = [
+                DeploymentStageRow(
+                    idx=0,
+                    name="canary",
+                    replicas=["cpu-0"],
+                    outcome="passed",
+                    metrics={"requests": {to: 40, frm: 120}, "error_rate": {to: 0.0, frm: 0.0}},
+                    started_at=t0,
+                    finished_at=t0 + timedelta(minutes=2),
+                )
+            ]
+            s.add(dep)
+
+
+def seed_reward_models(engine: Engine, now: datetime | None = None) -> list[str]:
+    """Three reward-model versions: two promoted in turn, one candidate that lost."""
+    now = now or datetime.now(UTC)
+    versions = []
+    with transaction(engine) as s:
+        for i, (status, auc) in enumerate((("retired", 0.71), ("promoted", 0.78), ("candidate", 0.74))):
+            version = f"rm-{i:03d}"
+            versions.append(version)
+            s.add(
+                RewardModelRow(
+                    version=version,
+                    created_at=now - timedelta(hours=30 - 10 * i),
+                    backend="sklearn",
+                    status=status,
+                    reason="beats the promoted version" if status != "candidate" else "does not beat rm-001",
+                    artifact_sha256="0" * 64,
+                    artifact_path=f"{'0' * 64}.pkl",
+                    window_start=now - timedelta(hours=36),
+                    window_end=now - timedelta(hours=30 - 10 * i),
+                    n_labeled=300 + 100 * i,
+                    primary_metric=auc,
+                    config={},
+                    metrics={"retention/auc": auc, "retention/auc_baseline": 0.5},
+                    reference_scores=[0.1, 0.2],
+                    promoted_at=now - timedelta(hours=30 - 10 * i) if status != "candidate" else None,
+                )
+            )
+    return versions
+
+
+def seed_all(engine: Engine, n_sessions: int = 600) -> Seeded:
+    """Every kind of row the dashboards read."""
+    seeded = seed_telemetry(engine, n_sessions=n_sessions)
+    seed_fleet(engine)
+    seed_reward_models(engine)
+    return seeded
+
+
+def make_settings(tmp_path: Path, db_url: str, **api: Any) -> Any:
+    """Settings for an app on ``db_url`` (rate limits high unless the test sets them)."""
+    from scheduler.settings import Settings
+
+    api = {"rate_limit_per_minute": 100_000, "rate_limit_burst": 10_000, **api}
+    return Settings(home=tmp_path / "home", database_url=db_url, api=api)
+
+
+def auth(token: str) -> dict[str, str]:
+    """The header that carries ``token``."""
+    return {"Authorization": f"Bearer {token}"}

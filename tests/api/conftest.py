@@ -1,0 +1,95 @@
+"""Fixtures for the control plane: one migrated, seeded database per backend (SQLite and
+PostgreSQL) shared by the module's tests (they only add rows no other test counts), tokens of
+each role, and a client that speaks HTTP to the app in process."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from api_seed import Seeded, make_settings, seed_all
+from fastapi.testclient import TestClient
+from sqlalchemy.engine import Engine
+
+PG_ADMIN_URL = os.environ.get("UNDERTOW_TEST_PG_ADMIN_URL", "postgresql+psycopg://root@127.0.0.1:5432/postgres")
+
+
+def _pg_database(reason: str | None) -> Iterator[str]:
+    if reason:
+        pytest.skip(reason)
+    from sqlalchemy import create_engine, text
+
+    name = f"undertow_api_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture(scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def shared_url(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, pg_unavailable: str | None
+) -> Iterator[str]:
+    """A migrated database URL for the module, on SQLite and on PostgreSQL."""
+    from ingest.db import upgrade
+
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path_factory.mktemp('api') / 'undertow.db'}"
+        upgrade(url)
+        yield url
+    else:
+        for url in _pg_database(pg_unavailable):
+            upgrade(url)
+            yield url
+
+
+@pytest.fixture(scope="module")
+def api_engine(shared_url: str) -> Iterator[Engine]:
+    """An engine on the module's database."""
+    from ingest.db import make_engine
+
+    engine = make_engine(shared_url)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture(scope="module")
+def seeded(api_engine: Engine) -> Seeded:
+    """Demo-sized telemetry, fleet, deployments and reward models in the module's database."""
+    return seed_all(api_engine, n_sessions=300)
+
+
+@pytest.fixture(scope="module")
+def tokens(api_engine: Engine) -> dict[str, str]:
+    """A viewer and an operator token, in clear (named ``test-viewer`` and ``test-operator``)."""
+    from scheduler.api.auth import create_token
+
+    return {role: create_token(api_engine, f"test-{role}", role)[1] for role in ("viewer", "operator")}
+
+
+@pytest.fixture(scope="module")
+def client(
+    tmp_path_factory: pytest.TempPathFactory, shared_url: str, api_engine: Engine, seeded: Seeded
+) -> Iterator[TestClient]:
+    """A client for an app on the module's seeded database."""
+    from scheduler.api.app import create_app
+
+    app = create_app(make_settings(tmp_path_factory.mktemp("home"), shared_url), engine=api_engine)
+    with TestClient(app) as c:
+        yield c
+
+
+@pytest.fixture
+def app_factory(tmp_path: Path, shared_url: str, api_engine: Engine):  # type: ignore[no-untyped-def]
+    """Build another app on the module's database with other ``api`` settings."""
+    from scheduler.api.app import create_app
+
+    return lambda **api: create_app(make_settings(tmp_path, shared_url, **api), engine=api_engine)

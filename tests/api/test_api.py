@@ -1,0 +1,284 @@
+"""The control-plane API against the real database (SQLite and PostgreSQL): roles, data that
+matches what was stored, filters, redaction of prompts and code, hostile input."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from api_seed import SECRET_CODE, SECRET_PROMPT, auth
+from fastapi.testclient import TestClient
+from sqlalchemy import func, select
+from sqlalchemy.engine import Engine
+
+from ingest.db import session_factory
+from ingest.tables import SessionRow, SignalRow
+
+READ_PATHS = [
+    "/api/v1/rewards/summary",
+    "/api/v1/rewards/retention",
+    "/api/v1/rewards/timeseries",
+    "/api/v1/reward-models",
+    "/api/v1/deployments/current",
+    "/api/v1/deployments",
+    "/api/v1/fleet/replicas",
+    "/api/v1/fleet/states",
+    "/api/v1/fleet/borrowing",
+    "/api/v1/sessions",
+    "/api/v1/jobs",
+]
+
+
+def test_health_and_metrics_need_no_token(client: TestClient) -> None:
+    assert client.get("/health").json()["status"] == "ok"
+    body = client.get("/metrics").text
+    for name in (
+        "undertow_ingest_lag_seconds",
+        "undertow_ingest_events_per_second",
+        "undertow_dead_letters",
+        "undertow_jobs",
+        "undertow_borrowed_replicas",
+        "undertow_rollout_state",
+    ):
+        assert f"# TYPE {name} gauge" in body
+    assert 'undertow_borrowed_replicas{pool="default"} 1.0' in body
+    assert 'undertow_rollout_state{pool="default",state="running",version="v3"} 1.0' in body
+    assert 'undertow_events_stored{type="session.completed"} 300.0' in body
+
+
+def test_reads_need_a_valid_token(client: TestClient, tokens: dict[str, str], api_engine: Engine) -> None:
+    from scheduler.api.auth import create_token, revoke_token
+
+    name = f"gone-{uuid.uuid4().hex[:6]}"
+    _, revoked = create_token(api_engine, name, "operator")
+    assert revoke_token(api_engine, name)
+    for path in READ_PATHS:
+        assert client.get(path).status_code == 401, path
+        assert client.get(path, headers=auth("ut_not-a-real-token")).status_code == 401, path
+        assert client.get(path, headers={"Authorization": "Basic dXNlcjpwYXNz"}).status_code == 401, path
+        assert client.get(path, headers=auth(revoked)).status_code == 401, path
+        assert client.get(path, headers=auth(tokens["viewer"])).status_code == 200, path
+
+
+def test_rewards_match_the_stored_signals(client: TestClient, tokens: dict[str, str], api_engine: Engine) -> None:
+    rows = client.get("/api/v1/rewards/summary", headers=auth(tokens["viewer"])).json()
+    by = {(r["policy_version"], r["signal"], r["horizon_s"]): r for r in rows}
+    with session_factory(api_engine)() as s:
+        for version in ("v0", "v3"):
+            edits = dict(
+                s.execute(
+                    select(SignalRow.type, func.count())
+                    .join(SessionRow, SessionRow.session_id == SignalRow.session_id)
+                    .where(SessionRow.policy_version == version, SignalRow.type.in_(("edit.accepted", "edit.rejected")))
+                    .group_by(SignalRow.type)
+                ).all()
+            )
+            acc = by[(version, "acceptance", None)]
+            assert acc["n"] == sum(edits.values())
+            assert acc["mean"] == pytest.approx(edits["edit.accepted"] / sum(edits.values()))
+            assert acc["ci_low"] < acc["mean"] < acc["ci_high"]
+        groups = s.scalar(select(func.count()).where(SignalRow.type == "candidate.selected"))
+    # The users' hidden preference rises with the version: the API must show it.
+    assert by[("v3", "retention", 300)]["mean"] > by[("v0", "retention", 300)]["mean"] + 0.1
+    # Exactly one winner per selected group, whichever version it came from.
+    wins = [r for r in rows if r["signal"] == "selection_win"]
+    assert round(sum(r["mean"] * r["n"] for r in wins)) == groups
+    curves = client.get("/api/v1/rewards/retention", headers=auth(tokens["viewer"])).json()
+    assert {r["horizon_s"] for r in curves} == {300, 3600, 86400}
+
+
+def test_timeseries_filters(client: TestClient, tokens: dict[str, str]) -> None:
+    h = auth(tokens["viewer"])
+    full = client.get("/api/v1/rewards/timeseries", params={"signal": "acceptance", "bucket_s": 3600}, headers=h).json()
+    assert full["bucket_s"] == 3600 and {p["policy_version"] for p in full["points"]} == {"v0", "v1", "v2", "v3"}
+    assert all(p["bucket_start"].endswith("Z") for p in full["points"])
+    only = client.get(
+        "/api/v1/rewards/timeseries", params={"signal": "acceptance", "policy_version": ["v1", "v2"]}, headers=h
+    ).json()
+    assert {p["policy_version"] for p in only["points"]} == {"v1", "v2"}
+    cut = full["points"][len(full["points"]) // 2]["bucket_start"]
+    later = client.get("/api/v1/rewards/timeseries", params={"signal": "acceptance", "since": cut}, headers=h).json()
+    assert 0 < sum(p["n"] for p in later["points"]) < sum(p["n"] for p in full["points"])
+    other = client.get("/api/v1/rewards/summary", params={"model": "no-such-model"}, headers=h).json()
+    assert other == []
+    bad = client.get(
+        "/api/v1/rewards/summary", params={"since": "2026-02-01T00:00:00Z", "until": "2026-01-01T00:00:00Z"}, headers=h
+    )
+    assert bad.status_code == 422
+    assert client.get("/api/v1/rewards/timeseries", params={"signal": "vibes"}, headers=h).status_code == 422
+    assert client.get("/api/v1/rewards/timeseries", params={"bucket_s": 1}, headers=h).status_code == 422
+
+
+def test_viewers_never_see_prompts_or_code(client: TestClient, tokens: dict[str, str], app_factory) -> None:  # type: ignore[no-untyped-def]
+    viewer, operator = auth(tokens["viewer"]), auth(tokens["operator"])
+    page = client.get("/api/v1/sessions", params={"limit": 500}, headers=viewer).json()
+    assert page["total"] == 300 and all(i["text_redacted"] and i["prompt"] is None for i in page["items"])
+    one = page["items"][0]["session_id"]
+    for path in [*READ_PATHS, f"/api/v1/sessions/{one}", "/metrics", "/"]:
+        body = client.get(path, headers=viewer).text
+        assert "SECRET-CODE-MARKER" not in body and SECRET_PROMPT not in body, path
+    full = client.get(f"/api/v1/sessions/{one}", headers=operator).json()
+    assert full["completion"] == SECRET_CODE and full["prompt"] == SECRET_PROMPT and not full["text_redacted"]
+    with TestClient(app_factory(expose_text_to_viewers=True)) as c:
+        assert c.get(f"/api/v1/sessions/{one}", headers=viewer).json()["completion"] == SECRET_CODE
+    assert client.get("/api/v1/sessions/no-such-session", headers=viewer).status_code == 404
+
+
+def test_reward_model_registry(client: TestClient, tokens: dict[str, str]) -> None:
+    h = auth(tokens["viewer"])
+    page = client.get("/api/v1/reward-models", headers=h).json()
+    assert [i["version"] for i in page["items"]] == ["rm-002", "rm-001", "rm-000"]
+    assert client.get("/api/v1/reward-models", params={"status": "promoted"}, headers=h).json()["total"] == 1
+    assert client.get("/api/v1/reward-models/rm-001/metrics", headers=h).json()["metrics"]["retention/auc"] == 0.78
+    assert client.get("/api/v1/reward-models/rm-002/lineage", headers=h).json()["chain"] == [
+        "rm-000",
+        "rm-001",
+        "rm-002",
+    ]
+    assert client.get("/api/v1/reward-models/nope", headers=h).status_code == 404
+
+
+def test_fleet_and_deployments(client: TestClient, tokens: dict[str, str]) -> None:
+    h = auth(tokens["viewer"])
+    assert len(client.get("/api/v1/fleet/replicas", headers=h).json()) == 3
+    assert [r["id"] for r in client.get("/api/v1/fleet/replicas", params={"state": "borrowed"}, headers=h).json()] == [
+        "cpu-2"
+    ]
+    states = {(s["state"], s["replicas"]) for s in client.get("/api/v1/fleet/states", headers=h).json()}
+    assert states == {("serving", 2), ("borrowed", 1)}
+    current = client.get("/api/v1/deployments/current", headers=h).json()
+    assert current == [
+        {
+            "pool": "default",
+            "version": "v3",
+            "weights_hash": "h3",
+            "replica_versions": {"v3": 3},
+            "state": "running",
+            "latest_deployment_id": 2,
+        }
+    ]
+    dep = client.get("/api/v1/deployments/1", headers=h).json()
+    assert dep["stages"][0]["name"] == "canary" and dep["status"] == "succeeded"
+    assert client.get("/api/v1/deployments/999", headers=h).status_code == 404
+    assert client.get("/api/v1/deployments", params={"status": "running"}, headers=h).json()["total"] == 1
+
+
+def test_viewer_cannot_mutate_and_every_attempt_is_audited(client: TestClient, tokens: dict[str, str]) -> None:
+    viewer, operator = auth(tokens["viewer"]), auth(tokens["operator"])
+    calls = [
+        ("/api/v1/retrains", {"kind": "reward_model", "window_hours": 24}),
+        ("/api/v1/deployments", {"version": "v3", "pool": "default"}),
+        ("/api/v1/deployments/2/promote", {}),
+        ("/api/v1/deployments/2/rollback", {}),
+        ("/api/v1/jobs/some-job/cancel", {}),
+    ]
+    for path, body in calls:
+        assert client.post(path, json=body, headers=viewer).status_code == 403, path
+        assert client.post(path, json=body).status_code == 401, path
+    assert client.get("/api/v1/audit", headers=viewer).status_code == 403
+    # A finished deployment cannot be promoted; a missing job cannot be cancelled.
+    assert client.post("/api/v1/deployments/1/promote", json={}, headers=operator).status_code == 409
+    assert client.post("/api/v1/jobs/no-such-job/cancel", headers=operator).status_code == 404
+    log = client.get("/api/v1/audit", params={"limit": 500}, headers=operator).json()
+    entries = log["items"]
+    refused = [e for e in entries if e["actor"] == "test-viewer"]
+    assert len(refused) == len(calls) and all(e["status_code"] == 403 and e["role"] == "viewer" for e in refused)
+    anonymous = [e for e in entries if e["actor"] == "anonymous"]
+    assert len(anonymous) == len(calls) and all(e["status_code"] == 401 for e in anonymous)
+    ops = [(e["action"], e["status_code"], e["detail"]) for e in entries if e["actor"] == "test-operator"]
+    assert ("deployment.promote", 409, {"deployment_id": 1}) in ops
+    assert ("job.cancel", 404, {"job_id": "no-such-job"}) in ops
+    assert all(e["occurred_at"].endswith("Z") for e in entries)
+
+
+def test_hostile_and_malformed_input(client: TestClient, tokens: dict[str, str]) -> None:
+    h = auth(tokens["operator"])
+    assert (
+        client.post(
+            "/api/v1/retrains", content=b"{not json", headers={**h, "Content-Type": "application/json"}
+        ).status_code
+        == 422
+    )
+    assert client.post("/api/v1/retrains", json={"kind": "reward_model", "extra": 1}, headers=h).status_code == 422
+    assert client.post("/api/v1/retrains", json={"kind": "nuke"}, headers=h).status_code == 422
+    both = {"kind": "rl_run", "since": "2026-01-01T00:00:00Z", "window_hours": 3}
+    assert client.post("/api/v1/retrains", json=both, headers=h).status_code == 422
+    backwards = {"kind": "rl_run", "since": "2026-02-01T00:00:00Z", "until": "2026-01-01T00:00:00Z"}
+    assert client.post("/api/v1/retrains", json=backwards, headers=h).status_code == 422
+    overflow = {"kind": "rl_run", "since": "0001-01-01T00:00:00+05:00"}
+    assert client.post("/api/v1/retrains", json=overflow, headers=h).status_code == 422
+    for path in (
+        "/api/v1/sessions/%00",
+        "/api/v1/reward-models/%1b%5b31m",
+        "/api/v1/deployments/-1",
+        "/api/v1/jobs/" + "x" * 300,
+    ):
+        assert 400 <= client.get(path, headers=h).status_code < 500, path
+    assert client.get("/api/v1/sessions", params={"limit": 10**6}, headers=h).status_code == 422
+    assert client.get("/api/v1/sessions", params={"model": "a\x00b"}, headers=h).status_code == 422
+    assert client.get("/api/v1/sessions", params={"since": "yesterday"}, headers=h).status_code == 422
+    assert client.get("/api/v1/rewards/summary", params={"policy_version": "\x00"}, headers=h).status_code == 422
+
+
+def test_oversized_bodies_are_refused(client: TestClient, tokens: dict[str, str]) -> None:
+    h = auth(tokens["operator"])
+    big = {"kind": "reward_model", "reason": "x" * 70_000}
+    r = client.post("/api/v1/retrains", json=big, headers=h)
+    assert r.status_code == 413 and "limit is 65536 bytes" in r.json()["detail"]
+
+    def chunks():  # no Content-Length: the limit counts the streamed bytes
+        for _ in range(20):
+            yield b" " * 8192
+
+    r = client.post("/api/v1/retrains", content=chunks(), headers={**h, "Content-Type": "application/json"})
+    assert r.status_code == 413
+
+
+def test_rate_limit_per_token(app_factory, tokens: dict[str, str]) -> None:  # type: ignore[no-untyped-def]
+    with TestClient(app_factory(rate_limit_per_minute=60, rate_limit_burst=5)) as c:
+        codes = [c.get("/api/v1/fleet/states", headers=auth(tokens["viewer"])).status_code for _ in range(7)]
+        assert codes[:5] == [200] * 5 and codes[5:] == [429, 429]
+        limited = c.get("/api/v1/fleet/states", headers=auth(tokens["viewer"]))
+        assert limited.status_code == 429 and int(limited.headers["retry-after"]) >= 1
+        # Another token has its own bucket; static assets are never limited.
+        assert c.get("/api/v1/fleet/states", headers=auth(tokens["operator"])).status_code == 200
+        assert c.get("/static/style.css").status_code == 200
+
+
+def test_retrains_and_rollouts_queue_real_celery_messages(
+    client: TestClient, tokens: dict[str, str], api_engine: Engine
+) -> None:
+    from sqlalchemy import text
+
+    op, viewer = auth(tokens["operator"]), auth(tokens["viewer"])
+    r = client.post(
+        "/api/v1/retrains", json={"kind": "reward_model", "window_hours": 24, "reason": "drift"}, headers=op
+    )
+    assert r.status_code == 202, r.text
+    job = r.json()
+    assert job["kind"] == "undertow.retrain" and job["state"] == "PENDING"
+    state = job["params"]["args"][0]
+    assert state["force"] and state["requested_by"] == "test-operator" and state["reason"] == "drift"
+    assert client.get(f"/api/v1/jobs/{job['id']}", headers=viewer).json()["id"] == job["id"]
+    rl = client.post("/api/v1/retrains", json={"kind": "rl_run", "since": "2026-01-01T00:00:00Z"}, headers=op).json()
+    assert rl["kind"] == "undertow.rl_update" and rl["params"]["args"][0]["since"].startswith("2026-01-01")
+    rollout = client.post("/api/v1/deployments", json={"version": "v3", "pool": "default"}, headers=op)
+    assert rollout.status_code == 202 and rollout.json()["params"]["args"][0]["policy_version"] == "v3"
+    promote = client.post("/api/v1/deployments/2/promote", json={"reason": "canary is fine"}, headers=op).json()
+    assert promote["params"]["args"][0]["canary"]["passed"] is True
+    back = client.post("/api/v1/deployments/2/rollback", headers=op).json()
+    assert back["params"]["args"][0]["back_to"] == "v2"
+    page = client.get("/api/v1/jobs", headers=viewer).json()
+    assert page["total"] == 5
+    assert client.get("/api/v1/jobs", params={"kind": "undertow.retrain"}, headers=viewer).json()["total"] == 1
+    # Each job's first task is a message waiting on the broker (the SQLAlchemy transport on this database).
+    with api_engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM kombu_message")).scalar() == 5
+    cancelled = client.post(f"/api/v1/jobs/{job['id']}/cancel", json={"reason": "wrong window"}, headers=op)
+    assert cancelled.status_code == 200 and cancelled.json()["state"] == "REVOKED"
+    assert client.post(f"/api/v1/jobs/{job['id']}/cancel", headers=op).status_code == 409
+    assert 'undertow_jobs{kind="undertow.retrain",state="REVOKED"} 1.0' in client.get("/metrics").text
+    audit = client.get("/api/v1/audit", params={"action": "retrain.create"}, headers=op).json()["items"]
+    accepted = [e for e in audit if e["status_code"] == 202]
+    assert {e["detail"]["job_id"] for e in accepted} == {job["id"], rl["id"]}
+    assert all(e["actor"] == "test-operator" and e["detail"]["kind"] for e in accepted)

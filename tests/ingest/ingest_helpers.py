@@ -1,0 +1,130 @@
+"""Event builders shared by the ingest tests (imported as ``ingest_helpers``)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+def session_event(i: int, **over: Any) -> dict[str, Any]:
+    """A valid ``session.completed`` envelope; keyword arguments override envelope fields."""
+    from ingest.synthetic import flat_session
+
+    event = flat_session(i, seed=7, n_tokens=6)
+    event.update(over)
+    return event
+
+
+def signal_event(event_id: str, kind: str, session_id: str | None, payload: dict[str, Any]) -> dict[str, Any]:
+    """A valid signal envelope."""
+    event: dict[str, Any] = {
+        "schema_version": 1,
+        "event_id": event_id,
+        "type": kind,
+        "occurred_at": "2025-01-06T12:05:00+01:00",
+        "user_id": "user-1",
+        "payload": payload,
+    }
+    if session_id is not None:
+        event["session_id"] = session_id
+    return event
+
+
+def raw(event: dict[str, Any]) -> bytes:
+    """Wire bytes of an envelope, as any producer would send them."""
+    return json.dumps(event).encode()
+
+
+def stream_events(n_sessions: int, seed: int = 11) -> list[dict[str, Any]]:
+    """``2 * n_sessions`` cheap valid events: a session and a retention signal for each."""
+    from ingest.synthetic import flat_session
+
+    events: list[dict[str, Any]] = []
+    for i in range(n_sessions):
+        session = flat_session(i, seed=seed, n_tokens=4)
+        events.append(session)
+        events.append(
+            signal_event(
+                f"ret-{seed}-{i}",
+                "code.retained",
+                session["session_id"],
+                {"horizon_s": 300, "lines_written": 2, "lines_retained": i % 3},
+            )
+        )
+    return events
+
+
+class TcpProxy:
+    """A TCP forwarder on 127.0.0.1 that a test can cut (``stop``) and restore (``start``)."""
+
+    def __init__(self, target_host: str, target_port: int) -> None:
+        import socket
+
+        self.target = (target_host, target_port)
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self._listener: Any = None
+        self._conns: list[Any] = []
+        self._threads: list[Any] = []
+
+    def start(self) -> None:
+        import socket
+        import threading
+
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(64)
+        self._listener = listener
+        thread = threading.Thread(target=self._accept, args=(listener,), daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def _accept(self, listener: Any) -> None:
+        import socket
+        import threading
+
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            upstream.settimeout(None)
+            self._conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: Any, dst: Any) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                try:
+                    sock.close()
+                except OSError:
+                    pass
+
+    def stop(self) -> None:
+        """Refuse new connections and reset every open one (the database 'goes away')."""
+        import socket
+
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        for sock in self._conns:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+            except OSError:
+                pass
+        self._conns = []

@@ -1,0 +1,190 @@
+"""The consumer against the embedded broker and both databases: bad input, duplicates, DLQ, replay."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+from ingest_helpers import raw, session_event, signal_event
+from sqlalchemy import func, select
+
+from ingest.config import IngestConfig, KafkaConfig
+from ingest.consumer import IngestConsumer
+from ingest.db import transaction
+from ingest.dlq import list_dead_letters, replay
+from ingest.stats import stats
+from ingest.tables import DeadLetterRow, SessionRow, SignalRow
+
+
+def consume_once(engine: Any, broker: Any, kafka_cfg: KafkaConfig, ingest_cfg: IngestConfig) -> Any:
+    return IngestConsumer(engine, broker.bootstrap, kafka_cfg, ingest_cfg, mode="assign").run(once=True, max_seconds=60)
+
+
+def dlq_topic_values(bootstrap: str, topic: str, expected: int) -> list[tuple[bytes, dict[str, bytes]]]:
+    from kafka import KafkaConsumer
+
+    consumer = KafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest", consumer_timeout_ms=5000)
+    out = []
+    for rec in consumer:
+        out.append((rec.value, dict(rec.headers)))
+        if len(out) >= expected:
+            break
+    consumer.close()
+    return out
+
+
+def test_bad_input_goes_to_dead_letters_and_partition_keeps_flowing(
+    engine: Any, broker: Any, kafka_cfg: KafkaConfig, ingest_cfg: IngestConfig, producer: Any
+) -> None:
+    mismatch = session_event(1)
+    mismatch["payload"]["segments"][0]["logprobs"] = [-0.1]
+    missing = session_event(2)
+    del missing["payload"]["model"]
+    bad: list[tuple[bytes, str]] = [
+        (b"{this is not json", "invalid_json"),
+        (b"\xff\xfe\x00garbage", "invalid_json"),
+        (raw(session_event(3, type="session.exploded")), "unknown_type"),
+        (raw(session_event(4, schema_version=2)), "unsupported_schema_version"),
+        (raw(missing), "validation_error"),
+        (raw(mismatch), "logprobs_length_mismatch"),
+        (b'{"pad": "' + b"x" * (1 << 20) + b'"}', "oversized"),
+        (b"[1, 2, 3]", "validation_error"),
+        (b"", "invalid_json"),
+    ]
+    # Everything goes to one key, so one partition: valid events before, between and after.
+    key = b"one-partition"
+    producer.send_raw(raw(session_event(100)), key=key)
+    for value, _ in bad:
+        producer.send_raw(value, key=key)
+        producer.send_raw(raw(session_event(101 + len(value) % 7 + 10 * bad.index((value, _)))), key=key)
+    producer.flush()
+
+    result = consume_once(engine, broker, kafka_cfg, ingest_cfg)
+
+    assert result.dead_letters == len(bad)
+    assert result.stored == len(bad) + 1
+    with transaction(engine) as s:
+        letters = s.execute(select(DeadLetterRow).order_by(DeadLetterRow.offset)).scalars().all()
+        assert [(dl.value, dl.reason) for dl in letters] == bad
+        assert all(dl.topic == kafka_cfg.topic and dl.key == key for dl in letters)
+        assert len({dl.partition for dl in letters}) == 1
+        assert s.scalar(select(func.count()).select_from(SessionRow)) == len(bad) + 1
+    on_topic = dlq_topic_values(broker.bootstrap, kafka_cfg.dlq_topic, len(bad))
+    assert sorted(v for v, _ in on_topic) == sorted(v for v, _ in bad)
+    assert {h["reason"].decode() for _, h in on_topic} == {r for _, r in bad}
+
+
+def test_duplicates_and_early_signals(
+    engine: Any, broker: Any, kafka_cfg: KafkaConfig, ingest_cfg: IngestConfig, producer: Any
+) -> None:
+    retained = signal_event("ret-1", "code.retained", "sess-7-5", {"horizon_s": 300, "lines_written": 4, "lines_retained": 3})
+    thumbs = signal_event("thumb-1", "feedback.thumbs", "sess-7-5", {"value": -1})
+    for event in (retained, thumbs, retained, session_event(5), session_event(5), thumbs):
+        producer.send(event)
+    producer.send(signal_event("ghost-1", "edit.accepted", "never-arrives", {"lines": 2}))
+    producer.flush()
+    first = consume_once(engine, broker, kafka_cfg, ingest_cfg)
+    assert (first.stored, first.duplicates) == (4, 3)
+    # The same events again, later: still stored once.
+    for event in (retained, session_event(5)):
+        producer.send(event)
+    producer.flush()
+    second = consume_once(engine, broker, kafka_cfg, ingest_cfg)
+    assert (second.stored, second.duplicates, second.records) == (0, 2, 2)
+    data = stats(engine)
+    assert data == {
+        "events": {"session.completed": 1, "code.retained": 1, "edit.accepted": 1, "feedback.thumbs": 1},
+        "sessions": 1,
+        "duplicates": 5,
+        "dead_letters": 0,
+    }
+    with transaction(engine) as s:
+        row = s.execute(select(SignalRow).where(SignalRow.event_id == "ret-1")).scalar_one()
+        assert (row.horizon_s, row.value, row.session_id) == (300, 0.75, "sess-7-5")
+
+
+def test_replay_after_fix(engine: Any, broker: Any, kafka_cfg: KafkaConfig, ingest_cfg: IngestConfig, producer: Any) -> None:
+    small = kafka_cfg.model_copy(update={"max_message_bytes": 400})
+    producer.send(session_event(8))
+    producer.send(session_event(9))
+    producer.flush()
+    first = consume_once(engine, broker, small, ingest_cfg)
+    assert (first.stored, first.dead_letters) == (0, 2)
+    assert {dl["reason"] for dl in list_dead_letters(engine)} == {"oversized"}
+
+    # The fix: a limit that fits. Replay re-produces the raw bytes; they are stored once.
+    replayed = replay(engine, producer, reason="oversized")
+    assert len(replayed) == 2
+    second = consume_once(engine, broker, kafka_cfg, ingest_cfg)
+    assert (second.stored, second.dead_letters) == (2, 0)
+    letters = list_dead_letters(engine)
+    assert all(dl["replay_count"] == 1 and dl["replayed_at"] for dl in letters)
+    assert replay(engine, producer) == []  # nothing pending any more
+    # A replay of something already stored counts as a duplicate, never a second row.
+    replay(engine, producer, ids=replayed[:1])
+    third = consume_once(engine, broker, kafka_cfg, ingest_cfg)
+    assert (third.stored, third.duplicates) == (0, 1)
+
+
+def test_once_on_an_empty_topic_exits(engine: Any, broker: Any, kafka_cfg: KafkaConfig, ingest_cfg: IngestConfig) -> None:
+    started = time.monotonic()
+    result = consume_once(engine, broker, kafka_cfg, ingest_cfg)
+    assert result.records == 0
+    assert time.monotonic() - started < 30
+
+
+def test_group_consumer_stops_cleanly_and_resumes_from_stored_offsets(
+    sqlite_url: str, broker: Any, kafka_cfg: KafkaConfig, ingest_cfg: IngestConfig, producer: Any
+) -> None:
+    from ingest.db import make_engine, upgrade
+
+    upgrade(sqlite_url)
+    engine = make_engine(sqlite_url)
+    for i in range(300):
+        producer.send(session_event(1000 + i))
+    producer.flush()
+    seen: list[int] = []
+    consumer = IngestConsumer(engine, broker.bootstrap, kafka_cfg, ingest_cfg, mode="group",
+                              on_commit=lambda report: seen.append(report.stored))
+    thread = threading.Thread(target=consumer.run, kwargs={"max_seconds": 60})
+    thread.start()
+    deadline = time.monotonic() + 40
+    while sum(seen) < 300 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    consumer.stop()
+    thread.join(timeout=20)
+    assert not thread.is_alive()
+    assert sum(seen) == 300
+    for i in range(300, 350):
+        producer.send(session_event(1000 + i))
+    producer.flush()
+    again = consume_once(engine, broker, kafka_cfg, ingest_cfg)
+    assert (again.records, again.stored, again.duplicates) == (50, 50, 0)
+    engine.dispose()
+
+
+def test_hostile_payloads_never_crash_the_consumer(
+    sqlite_url: str, broker: Any, kafka_cfg: KafkaConfig, ingest_cfg: IngestConfig, producer: Any
+) -> None:
+    from ingest.db import make_engine, upgrade
+
+    upgrade(sqlite_url)
+    engine = make_engine(sqlite_url)
+    hostile = [
+        b"[" * 100_000 + b"]" * 100_000,
+        json.dumps({"schema_version": 1, "event_id": "x" * 10_000, "type": "feedback.thumbs"}).encode(),
+        raw(session_event(20, occurred_at=1735689600)),
+        raw(signal_event("t-bool", "feedback.thumbs", "s", {"value": True})),
+        raw(signal_event("t-big", "user.churned", None, {"inactive_days": 10**40})),
+        b'{"schema_version": NaN}',
+        raw(session_event(21, session_id="\u0000" * 129)),
+    ]
+    for value in hostile:
+        producer.send_raw(value, key=None)
+    producer.send(session_event(22))
+    producer.flush()
+    result = consume_once(engine, broker, kafka_cfg, ingest_cfg)
+    assert (result.dead_letters, result.stored) == (len(hostile), 1)
+    engine.dispose()

@@ -1,0 +1,148 @@
+"""Training from the database: the models recover the generator's hidden preference, the registry
+promotes only a better version, and bad data gives clear errors or counted skips."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from sqlalchemy import select
+from sqlalchemy.engine import Engine
+
+from ingest.db import transaction
+from ingest.tables import SessionRow
+from reward_models import registry
+from reward_models.api import load_scorer, score_sessions
+from reward_models.config import RewardsConfig
+from reward_models.synthetic import generate_events
+from reward_models.tables import RewardModelRow
+from reward_models.train import TrainingDataError, train_reward_models
+
+START = datetime(2026, 1, 5, tzinfo=UTC)
+NOW = START + timedelta(days=8)
+
+
+def test_models_recover_hidden_preference_and_registry_promotes_only_better(
+    sqlite_engine: Engine, synthetic_600: Any, load_events: Any, tmp_path: Path
+) -> None:
+    events, truth = synthetic_600
+    load_events(sqlite_engine, events)
+    report = train_reward_models(sqlite_engine, RewardsConfig(), tmp_path, now=NOW)
+    m = report.metrics
+    # Stated thresholds: held-out AUC and pairwise accuracy well above the trivial baseline (0.5).
+    assert m["retention"]["auc"] > 0.72 > m["retention"]["auc_baseline"] + 0.2
+    assert m["selection"]["pairwise_acc"] > 0.65
+    assert m["bundle"]["composite_auc"] > 0.72
+    assert m["retention"]["auc"] > m["retention"]["auc_logprob"]  # better than the policy's own confidence
+    assert m["privileged"]["auc"] > m["retention"]["auc"]  # seeing what the user kept makes labeling easier
+    assert report.status == registry.PROMOTED and report.to_json()["versions"] == [report.version]
+    assert report.coverage["thumbs"]["weight"] == 0.0 and report.coverage["retention"]["fraction"] > 0.9
+
+    # The scorer ranks correct, concise answers above buggy or padded ones (the hidden preference).
+    scorer = load_scorer(sqlite_engine, "latest")
+    good = {
+        "prompt": "Write a Python function add(a, b) that returns the sum of a and b.",
+        "completion": "def add(a, b):\n    return a + b\n",
+    }
+    padded = dict(
+        good,
+        completion="def add(a, b):\n    # compute the result step by step\n    result = None\n"
+        "    value = 0\n    return a + b\n",
+    )
+    buggy = dict(good, completion="def add(a, b):\n    return None\n")
+    s_good, s_padded, s_buggy = scorer.score([good, padded, buggy])
+    assert s_good > s_padded and s_good > s_buggy
+    by_id = score_sessions(sqlite_engine, [*list(truth["session_id"][:50]), "missing"])
+    assert len(by_id) == 50 and "missing" not in by_id
+    corr = np.corrcoef([by_id[s] for s in truth["session_id"][:50]], truth["utility"][:50])[0, 1]
+    assert corr > 0.4
+
+    # Retraining on the same data cannot beat the current version on the same hold-out: kept as candidate.
+    second = train_reward_models(sqlite_engine, RewardsConfig(), tmp_path, now=NOW)
+    assert second.status == registry.CANDIDATE and "does not beat" in second.reason
+    assert second.current_version == report.version
+    assert load_scorer(sqlite_engine).version == report.version
+    rows = registry.list_versions(sqlite_engine)
+    assert [r["version"] for r in rows] == [second.version, report.version]
+
+    # A tampered artifact never scores.
+    row = registry.get_version(sqlite_engine, report.version)
+    Path(row.artifact_path).write_bytes(b"not a model")
+    with pytest.raises(registry.CorruptArtifact):
+        load_scorer(sqlite_engine, report.version)
+    with pytest.raises(registry.UnknownVersion, match="rewards list"):
+        load_scorer(sqlite_engine, "rm-9999-nothere")
+
+
+def test_torch_backend_trains_and_registers(
+    sqlite_engine: Engine, synthetic_600: Any, load_events: Any, tmp_path: Path
+) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    events, _ = synthetic_600
+    load_events(sqlite_engine, events)
+    report = train_reward_models(sqlite_engine, RewardsConfig(backend="torch", bt_margin=0.1), tmp_path, now=NOW)
+    assert report.metrics["retention"]["auc"] > 0.65
+    assert report.metrics["selection"]["pairwise_acc"] > 0.6
+    with transaction(sqlite_engine) as session:
+        assert session.get(RewardModelRow, report.version).backend == "torch"
+    assert np.all(np.isfinite(load_scorer(sqlite_engine, report.version).score([{"prompt": "x", "completion": "y"}])))
+
+
+def test_empty_window_is_a_clear_error(engine: Engine, tmp_path: Path) -> None:
+    with pytest.raises(TrainingDataError, match="undertow ingest"):
+        train_reward_models(engine, RewardsConfig(), tmp_path, now=NOW)
+
+
+def test_single_class_and_missing_text_never_promote_a_bad_model(
+    sqlite_engine: Engine, load_events: Any, tmp_path: Path
+) -> None:
+    events, _ = generate_events(120, seed=3, start=START, span_s=5 * 86400, now=NOW, group_fraction=0.0)
+    kept = []
+    for ev in events:
+        if ev["type"] == "code.retained":  # every user keeps everything: a single class
+            ev["payload"]["lines_retained"] = ev["payload"]["lines_written"]
+        if ev["type"] in ("edit.accepted", "edit.rejected", "model.switched"):
+            continue
+        kept.append(ev)
+    for ev in kept[:30]:
+        if ev["type"] == "session.completed":  # sessions without text and with NaN-free but absent logprobs
+            ev["payload"]["segments"] = [{"role": "assistant", "token_ids": [1, 2]}]
+    load_events(sqlite_engine, kept)
+    with pytest.raises(TrainingDataError, match="single class"):
+        train_reward_models(sqlite_engine, RewardsConfig(), tmp_path, now=NOW)
+    assert registry.current_promoted(sqlite_engine) is None
+    with transaction(sqlite_engine) as session:
+        assert session.execute(select(RewardModelRow)).first() is None
+
+
+def test_bad_rows_are_skipped_with_counts_and_weak_models_stay_candidates(
+    sqlite_engine: Engine, load_events: Any, tmp_path: Path
+) -> None:
+    events, _ = generate_events(300, seed=5, start=START, span_s=5 * 86400, now=NOW)
+    rng = np.random.default_rng(0)
+    for ev in events:
+        if ev["type"] == "code.retained":  # labels unrelated to the text: nothing to learn
+            ev["payload"]["lines_retained"] = int(rng.integers(0, ev["payload"]["lines_written"] + 1))
+        if ev["type"] in ("edit.accepted", "edit.rejected", "candidate.selected", "candidates.shown", "model.switched"):
+            ev["type"] = "feedback.thumbs"
+            ev["payload"] = {"value": 1}
+    blank = [e for e in events if e["type"] == "session.completed"][:10]
+    for ev in blank:
+        ev["payload"]["segments"] = [{"role": "assistant", "text": "   "}]
+    load_events(sqlite_engine, events)
+    with transaction(
+        sqlite_engine
+    ) as session:  # a NaN logprob can only come from storage; the model must not see it raw
+        row = session.execute(select(SessionRow).where(SessionRow.session_id == "s-5-000100")).scalar_one()
+        row.segments[-1].logprobs = np.array([np.nan, -0.1]).tobytes()
+    report = train_reward_models(sqlite_engine, RewardsConfig(min_auc_over_baseline=0.1), tmp_path, now=NOW)
+    assert report.skipped["sessions_without_text"] == 10
+    assert report.skipped["sessions_missing_logprob"] >= 1
+    assert "selection" in report.skipped_heads and "acceptance" in report.skipped_heads
+    assert report.status == registry.CANDIDATE and "baseline" in report.reason
+    assert registry.current_promoted(sqlite_engine) is None

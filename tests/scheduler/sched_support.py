@@ -1,0 +1,170 @@
+"""Test doubles for the two things the scheduler drives but does not own, importable by a real
+Celery worker (its ``PYTHONPATH`` includes this directory):
+
+- ``FileFleet``: a fleet whose replicas live in a JSON file under the Undertow home, so the
+  worker process and the test see the same state; it records every call in order;
+- ``ToyTrainer``: a real, deterministic torch training loop (a small MLP regression), checkpointed
+  with ``torch.save``; its weights digest tells whether a preempted run ended where an
+  uninterrupted one does.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class FileFleet:
+    """Replicas ``r0..rN`` of one pool, state in ``<home>/fleet.json``."""
+
+    def __init__(self, home: Path) -> None:
+        self.path = Path(home) / "fleet.json"
+
+    @staticmethod
+    def create(home: Path, n: int = 4, pool: str = "default", load_rps: float = 50.0) -> FileFleet:
+        fleet = FileFleet(home)
+        state = {
+            "replicas": {f"r{i}": {"pool": pool, "state": "serving", "version": "v1"} for i in range(n)},
+            "calls": [],
+            "load_rps": load_rps,
+            "target_version": "v1",
+        }
+        fleet.path.write_text(json.dumps(state))
+        return fleet
+
+    @contextmanager
+    def _edit(self) -> Any:
+        with open(self.path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            state = json.loads(self.path.read_text())
+            yield state
+            self.path.write_text(json.dumps(state))
+
+    def read(self) -> dict[str, Any]:
+        return json.loads(self.path.read_text())
+
+    def _move(self, replica_id: str, call: str, state: str) -> None:
+        with self._edit() as s:
+            s["replicas"][replica_id]["state"] = state
+            s["calls"].append([call, replica_id, time.time()])
+
+    def replicas(self, pool: str) -> list[str]:
+        return sorted(r for r, v in self.read()["replicas"].items() if v["pool"] == pool)
+
+    def drain(self, replica_id: str) -> None:
+        self._move(replica_id, "drain", "drained")
+
+    def sleep(self, replica_id: str) -> None:
+        self._move(replica_id, "sleep", "asleep")
+
+    def wake(self, replica_id: str) -> None:
+        self._move(replica_id, "wake", "awake")
+
+    def verify(self, replica_id: str) -> str:
+        return str(self.read()["replicas"][replica_id]["version"])
+
+    def rejoin(self, replica_id: str) -> None:
+        self._move(replica_id, "rejoin", "serving")
+
+    def serving_version(self, pool: str) -> str:
+        return str(self.read()["target_version"])
+
+    def capacity_rps(self, pool: str) -> float:
+        return 100.0
+
+    def load_history(self, pool: str, window_s: int) -> np.ndarray:
+        wpd = 86400 // window_s
+        t = np.arange(2 * wpd)
+        base = self.read()["load_rps"]
+        return base * (1.0 + 0.2 * np.sin(2 * np.pi * t / wpd))
+
+
+def fleet(settings: Any) -> FileFleet:
+    return FileFleet(settings.home)
+
+
+class ToyTrainer:
+    """``steps`` SGD steps on a seeded regression task; each step's batch depends only on its index."""
+
+    def __init__(self, steps: int = 20, step_sleep_s: float = 0.0, seed: int = 0) -> None:
+        torch.manual_seed(seed)
+        self.model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.total = steps
+        self.sleep = step_sleep_s
+        self.seed = seed
+        self.i = 0
+
+    @property
+    def done(self) -> bool:
+        return self.i >= self.total
+
+    def step(self) -> dict[str, float]:
+        g = torch.Generator().manual_seed(self.seed * 100_003 + self.i)
+        x = torch.randn(32, 8, generator=g)
+        y = x.sum(dim=1, keepdim=True).sin()
+        loss = torch.nn.functional.mse_loss(self.model(x), y)
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+        self.i += 1
+        if self.sleep:
+            time.sleep(self.sleep)
+        return {"loss/mse": float(loss.detach())}
+
+    def save(self, path: Path) -> None:
+        torch.save({"model": self.model.state_dict(), "opt": self.opt.state_dict(), "i": self.i}, path)
+
+    def load(self, path: Path) -> None:
+        data = torch.load(path, weights_only=True)
+        self.model.load_state_dict(data["model"])
+        self.opt.load_state_dict(data["opt"])
+        self.i = int(data["i"])
+
+    def digest(self) -> str:
+        h = hashlib.sha256()
+        for t in self.model.state_dict().values():
+            h.update(t.detach().numpy().tobytes())
+        return h.hexdigest()
+
+    def result(self) -> dict[str, Any]:
+        return {"weights_sha256": self.digest(), "steps": self.i, "checkpoint": f"toy-{self.digest()[:12]}"}
+
+
+def trainer(settings: Any, state: dict[str, Any]) -> ToyTrainer:
+    torch.set_num_threads(1)
+    return ToyTrainer(int(state.get("steps", 20)), float(state.get("step_sleep_s", 0.0)), int(state.get("seed", 0)))
+
+
+def snapshot(settings: Any, engine: Any, state: dict[str, Any]) -> dict[str, Any]:
+    return {"policy_version": "v-" + state["rl_update"]["weights_sha256"][:12]}
+
+
+def canary(settings: Any, engine: Any, state: dict[str, Any]) -> dict[str, Any]:
+    passed = not state.get("fail_canary", False)
+    _log(settings, "canary", state["policy_version"])
+    return {"canary": {"passed": passed, "version": state["policy_version"]}}
+
+
+def promote(settings: Any, engine: Any, state: dict[str, Any]) -> dict[str, Any]:
+    _log(settings, "promote", state["policy_version"])
+    return {"promoted": state["policy_version"]}
+
+
+def rollback(settings: Any, engine: Any, state: dict[str, Any]) -> dict[str, Any]:
+    _log(settings, "rollback", state["policy_version"])
+    return {"rolled_back": state["policy_version"]}
+
+
+def _log(settings: Any, what: str, version: str) -> None:
+    with open(Path(settings.home) / "deploy.log", "a") as fh:
+        fh.write(f"{what} {version} {os.getpid()}\n")

@@ -1,0 +1,182 @@
+"""Deployment over real engine processes, a SQLite registry and the gateway under loopback load:
+no request fails during a rollout; a killed replica is excluded; a failed gate rolls back."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+from serving_helpers import ServerThread
+
+from serving import fleet
+from serving.config import DeployConfig, FleetConfig, GatewayConfig
+from serving.deploy import gate, rollout, stage_sizes
+from serving.gateway import Gateway, create_gateway_app, health_loop, registry_source
+
+FLEET = FleetConfig(health_interval_s=0.5, health_timeout_s=2.0, unhealthy_after=1)
+
+
+@pytest.fixture(scope="module")
+def three(versions, tmp_path_factory):  # type: ignore[no-untyped-def]
+    from serving.launch import start_engines
+
+    procs = start_engines(versions.checkpoint, 3, store=versions.store, log_dir=tmp_path_factory.mktemp("logs"))
+    yield procs
+    for p in procs:
+        p.kill()
+
+
+@pytest.fixture
+def registry(three, versions, sqlite_url):  # type: ignore[no-untyped-def]
+    from ingest.db import make_engine, upgrade
+
+    upgrade(sqlite_url)
+    db = make_engine(sqlite_url)
+    for i, p in enumerate(three):
+        fleet.register_replica(db, f"r{i}", p.url)
+    fleet.set_target(db, "v0", versions.hashes["v0"])
+    asyncio.run(fleet.check_fleet(db, FLEET))
+    asyncio.run(fleet.reconcile(db, FLEET))  # a previous test may have left replicas elsewhere
+    asyncio.run(fleet.check_fleet(db, FLEET))
+    return db
+
+
+class Load:
+    """Bounded concurrent loopback load through the gateway; counts failures."""
+
+    def __init__(self, url: str, workers: int = 4) -> None:
+        self.url, self.ok, self.failed, self.stop = url, 0, [], threading.Event()
+        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(workers)]
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=120) as c:
+            while not self.stop.is_set():
+                r = c.post(self.url + "/v1/completions", json={"prompt": "def add", "max_tokens": 3})
+                if r.status_code == 200:
+                    self.ok += 1
+                else:
+                    self.failed.append((r.status_code, r.text[:200]))
+
+    def __enter__(self) -> Load:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(120)
+
+
+def _gateway(db):  # type: ignore[no-untyped-def]
+    gw = Gateway(registry_source(db, "default", 0.2), None, GatewayConfig(), "undertow-policy")
+    return gw, create_gateway_app(gw, [health_loop(db, FLEET, "default")])
+
+
+def test_full_rollout_under_load_fails_no_request(registry, versions) -> None:  # type: ignore[no-untyped-def]
+    gw, app = _gateway(registry)
+    cfg = DeployConfig(
+        canary_replicas=1, stages=[0.5, 1.0], gate_min_requests=5, gate_max_wait_s=60, gate_max_latency_ratio=50
+    )
+    with ServerThread(app) as srv:
+
+        async def metrics():  # type: ignore[no-untyped-def]
+            return gw.metrics()
+
+        with Load(srv.url) as load:
+            time.sleep(1.0)
+            result = asyncio.run(rollout(registry, "v1", versions.hashes["v1"], cfg, metrics=metrics))
+            time.sleep(0.5)
+    assert result.status == "succeeded", result.message
+    assert [s["name"] for s in result.stages] == ["canary", "stage-1", "stage-2"]
+    assert load.failed == [] and load.ok > 10
+    assert set(result.pause_ms) == {"r0", "r1", "r2"} and all(b < 1_000_000 for b in result.pulled_bytes.values())
+    assert fleet.get_target(registry).version == "v1"  # type: ignore[union-attr]
+    reps = asyncio.run(fleet.check_fleet(registry, FLEET))
+    assert {(r.version, r.health) for r in reps} == {("v1", "ok")}
+    assert "v1" in gw.metrics()["versions"]
+
+
+def test_failed_gate_rolls_back(registry, versions) -> None:  # type: ignore[no-untyped-def]
+    cfg = DeployConfig(canary_replicas=1, gate_min_requests=5, gate_max_wait_s=1.0)
+
+    async def bad_metrics():  # type: ignore[no-untyped-def]
+        return {
+            "versions": {
+                "v0": {"requests": 50, "errors": 0, "error_rate": 0.0, "latency_ms_p50": 10.0},
+                "v1": {"requests": 50, "errors": 10, "error_rate": 0.2, "latency_ms_p50": 10.0},
+            }
+        }
+
+    result = asyncio.run(rollout(registry, "v1", versions.hashes["v1"], cfg, metrics=bad_metrics))
+    assert result.status == "rolled_back" and "error rate" in result.message
+    reps = asyncio.run(fleet.check_fleet(registry, FLEET))
+    assert {(r.version, r.health) for r in reps} == {("v0", "ok")}
+    assert fleet.get_target(registry).version == "v0"  # type: ignore[union-attr]
+
+
+def test_replica_killed_mid_update_is_excluded_and_a_behind_one_reconciles(registry, versions, three) -> None:  # type: ignore[no-untyped-def]
+    victim = three[2]
+    cfg = DeployConfig(canary_replicas=3, stages=[], gate_min_requests=1)
+    real_apply = fleet.update_replica
+
+    async def killing_update(client, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if client.base_url == victim.url:
+            victim.kill()
+        return await real_apply(client, *args, **kwargs)
+
+    fleet.update_replica = killing_update  # type: ignore[assignment]
+    try:
+        result = asyncio.run(rollout(registry, "v1", versions.hashes["v1"], cfg))
+    finally:
+        fleet.update_replica = real_apply  # type: ignore[assignment]
+    assert result.status == "rolled_back" and "r2" in result.message
+    reps = {r.id: r for r in asyncio.run(fleet.check_fleet(registry, FLEET))}
+    assert reps["r2"].health == "unreachable" and not reps["r2"].in_rotation
+    assert reps["r0"].in_rotation and reps["r0"].version == "v0"
+    # Restart it on an old checkpoint with the target moved on: it is behind and reconciles by delta.
+    fleet.set_target(registry, "v1", versions.hashes["v1"])
+    victim.start().wait_ready()
+    reps = {r.id: r for r in asyncio.run(fleet.check_fleet(registry, FLEET))}
+    assert reps["r2"].health == "behind"
+    outcomes = asyncio.run(fleet.reconcile(registry, FLEET))
+    assert "delta" in outcomes["r2"] and "delta" in outcomes["r0"]
+    reps = {r.id: r for r in asyncio.run(fleet.check_fleet(registry, FLEET))}
+    assert all(r.in_rotation and r.version == "v1" for r in reps.values())
+
+
+def test_hash_mismatch_leaves_rotation(registry, versions) -> None:  # type: ignore[no-untyped-def]
+    fleet.set_target(registry, "v0", "f" * 64)
+    reps = asyncio.run(fleet.check_fleet(registry, FLEET))
+    assert {r.health for r in reps} == {"hash_mismatch"} and not any(r.in_rotation for r in reps)
+
+
+def test_registry_on_both_databases(migrated_db) -> None:  # type: ignore[no-untyped-def]
+    from ingest.db import make_engine
+
+    db = make_engine(migrated_db)
+    fleet.register_replica(db, "a", "http://127.0.0.1:1", pool="p", region="eu")
+    fleet.register_replica(db, "a", "http://127.0.0.1:2", pool="p", region="eu")
+    fleet.set_state(db, "a", "borrowed")
+    with pytest.raises(ValueError, match="unknown replica state"):
+        fleet.set_state(db, "a", "exploded")
+    reps = fleet.list_replicas(db, "p")
+    assert len(reps) == 1 and reps[0].url.endswith(":2") and reps[0].state == "borrowed" and not reps[0].in_rotation
+    asyncio.run(fleet.check_fleet(db, FLEET))
+    assert fleet.list_replicas(db)[0].health == "unreachable"
+    db.dispose()
+
+
+def test_gate_and_stages_rules() -> None:
+    cfg = DeployConfig(gate_min_requests=10)
+    old = {"requests": 100, "error_rate": 0.0, "latency_ms_p50": 10.0, "acceptance": 0.6}
+    assert not gate({"requests": 3, "error_rate": 0.0}, old, cfg)[0]
+    assert gate({"requests": 10, "error_rate": 0.01, "latency_ms_p50": 12.0, "acceptance": 0.58}, old, cfg)[0]
+    assert "latency" in gate({"requests": 10, "error_rate": 0.0, "latency_ms_p50": 30.0}, old, cfg)[1]
+    assert "acceptance" in gate({"requests": 10, "error_rate": 0.0, "acceptance": 0.3}, old, cfg)[1]
+    assert stage_sizes(3, DeployConfig(canary_replicas=1, stages=[0.5, 1.0])) == [1, 2, 3]
+    assert stage_sizes(1, DeployConfig()) == [1]
+    assert stage_sizes(10, DeployConfig(canary_replicas=1, stages=[0.5])) == [1, 5, 10]

@@ -1,0 +1,185 @@
+"""The store end to end on real checkpoints: round trips, tampering, chains with fallback, GC."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from policy.config import WeightsConfig
+from policy.weights import (
+    WeightsError,
+    WeightStore,
+    apply_delta_inplace,
+    apply_full_inplace,
+    collect,
+    plan,
+    plan_gc,
+    update,
+)
+from policy.weights.format import DELTA_FILE, FULL_FILE, MANIFEST
+
+
+def _bf16(path: Path) -> dict[str, torch.Tensor]:
+    return {
+        k: v.to(torch.bfloat16) if v.is_floating_point() else v
+        for k, v in load_file(path / "model.safetensors").items()
+    }
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return set(a) == set(b) and all(
+        a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a
+    )
+
+
+def _flip(path: str, offset: int) -> None:
+    raw = bytearray(Path(path).read_bytes())
+    raw[offset] ^= 0x5A
+    Path(path).write_bytes(bytes(raw))
+
+
+def _filled(store: WeightStore, checkpoints: list[Path]) -> list[str]:
+    return [store.put(path).version for path in checkpoints]
+
+
+def test_checkpoints_roundtrip_bit_exact(store: WeightStore, checkpoints: list[Path]) -> None:
+    versions = _filled(store, checkpoints)
+    manifests = [store.manifest(v) for v in versions]
+    assert manifests[0].full is not None and manifests[0].delta is None
+    assert manifests[1].full is None and manifests[1].delta is not None
+    for version, path in zip(versions, checkpoints, strict=True):
+        assert _same(store.state_dict(version), _bf16(path))
+    assert manifests[1].delta.bytes * 5 < manifests[0].full.bytes  # type: ignore[union-attr]
+    full = load_file(store.path(versions[0], FULL_FILE))  # the snapshot is plain safetensors
+    assert _same(full, _bf16(checkpoints[0]))
+
+
+def test_apply_delta_inplace_updates_a_live_model(store: WeightStore, checkpoints: list[Path]) -> None:
+    versions = _filled(store, checkpoints)
+    live = store.state_dict(versions[0])
+    tensor_ids = {k: id(v) for k, v in live.items()}
+    report = apply_delta_inplace(live, store.open_delta(versions[1]), held_version=versions[0])
+    assert report.version == versions[1] and report.tensors > 0
+    assert _same(live, _bf16(checkpoints[1]))
+    assert {k: id(v) for k, v in live.items()} == tensor_ids, "tensors must be updated in place"
+
+
+def test_new_and_removed_tensors(store: WeightStore) -> None:
+    first = {"w": torch.randn(40, 40).to(torch.bfloat16), "gone": torch.randn(8).half(), "step": torch.tensor([1])}
+    second = {
+        "w": first["w"].float().add(1e-3).to(torch.bfloat16),
+        "extra": torch.randn(3, 3),
+        "step": torch.tensor([2]),
+    }
+    second["w2"] = torch.randn(5).to(torch.float8_e4m3fn)
+    a, b = store.put(first).version, store.put(second).version
+    live = store.state_dict(a)
+    apply_delta_inplace(live, store.open_delta(b))
+    expected = {k: v.to(torch.bfloat16) if v.dtype == torch.float32 else v for k, v in second.items()}
+    assert _same(live, expected) and "gone" not in live
+    assert store.manifest(b).delta.removed == ["gone"]  # type: ignore[union-attr]
+
+
+def test_flipped_byte_in_delta_is_detected_and_nothing_applied(store: WeightStore, checkpoints: list[Path]) -> None:
+    versions = _filled(store, checkpoints)
+    manifest = store.manifest(versions[1])
+    entry = max(manifest.delta.tensors.values(), key=lambda e: e.length)  # type: ignore[union-attr]
+    _flip(store.path(versions[1], DELTA_FILE), entry.offset + entry.length // 2)
+    live = store.state_dict(versions[0])
+    before = {k: v.clone() for k, v in live.items()}
+    with pytest.raises(WeightsError, match="corrupt"):
+        apply_delta_inplace(live, store.open_delta(versions[1]))
+    assert _same(live, before)
+
+
+def test_truncated_files_are_detected(store: WeightStore, checkpoints: list[Path]) -> None:
+    versions = _filled(store, checkpoints)
+    delta_path = Path(store.path(versions[1], DELTA_FILE))
+    delta_path.write_bytes(delta_path.read_bytes()[:-10])
+    live = store.state_dict(versions[0])
+    before = {k: v.clone() for k, v in live.items()}
+    with pytest.raises(WeightsError, match="truncated|corrupt"):
+        apply_delta_inplace(live, store.open_delta(versions[1]))
+    assert _same(live, before)
+    full_path = Path(store.path(versions[0], FULL_FILE))
+    full_path.write_bytes(full_path.read_bytes()[:-100])
+    with pytest.raises(WeightsError, match="truncated|corrupt"):
+        apply_full_inplace({}, store.open_full(versions[0]))
+
+
+def test_wrong_base_version_is_refused(store: WeightStore, checkpoints: list[Path]) -> None:
+    versions = _filled(store, checkpoints)
+    live = store.state_dict(versions[0])
+    before = {k: v.clone() for k, v in live.items()}
+    with pytest.raises(WeightsError, match="holds"):
+        apply_delta_inplace(live, store.open_delta(versions[2]))
+    with pytest.raises(WeightsError, match="applies to"):
+        apply_delta_inplace(live, store.open_delta(versions[2]), held_version=versions[0])
+    assert _same(live, before)
+
+
+def test_missing_or_tampered_manifest(store: WeightStore, checkpoints: list[Path]) -> None:
+    versions = _filled(store, checkpoints)
+    Path(store.path(versions[2], MANIFEST)).unlink()
+    assert [m.version for m in store.manifests()] == versions[:2]
+    with pytest.raises(WeightsError, match="not in the store"):
+        store.open_delta(versions[2])
+    path = Path(store.path(versions[1], MANIFEST))
+    doc = json.loads(path.read_text())
+    name = next(iter(doc["tensors"]))
+    doc["tensors"][name]["checksum"] = "0" * 32
+    path.write_text(json.dumps(doc))
+    with pytest.raises(WeightsError, match="whole-version hash"):
+        store.manifest(versions[1])
+
+
+def test_chain_plans_cheapest_path_and_falls_back_to_snapshot(tmp_path: Path) -> None:
+    store = WeightStore(tmp_path / "w", WeightsConfig(snapshot_every=2))
+    torch.manual_seed(0)
+    state = {"w": torch.randn(200, 100).to(torch.bfloat16)}
+    versions, states = [], []
+    for _ in range(5):
+        versions.append(store.put(state).version)
+        states.append({k: v.clone() for k, v in state.items()})
+        state = {"w": state["w"].float().add(torch.randn(200, 100) * 1e-3).to(torch.bfloat16)}
+    manifests = store.manifests()
+    assert [m.full is not None for m in manifests] == [True, False, True, False, True]
+    assert [s.kind for s in plan(manifests, versions[3], versions[1])] == ["delta", "delta"]
+    assert [s.kind for s in plan(manifests, versions[3], None)] == ["full", "delta"]
+    assert plan(manifests, versions[3], versions[3]) == []
+    _flip(store.path(versions[3], DELTA_FILE), 40)  # corrupt delta v2 -> v3
+    live = {k: v.clone() for k, v in states[1].items()}
+    report = update(store, live, versions[1], versions[4])
+    assert report.version == versions[4] and report.failures
+    assert _same(live, states[4])
+    Path(store.path(versions[4], DELTA_FILE)).unlink()  # missing delta: nearest snapshot instead
+    live = {k: v.clone() for k, v in states[2].items()}
+    report = update(store, live, versions[2], versions[4])
+    assert [s.kind for s in report.steps][-1] == "full" and _same(live, states[4])
+
+
+def test_gc_keeps_what_replicas_need(tmp_path: Path) -> None:
+    store = WeightStore(tmp_path / "w", WeightsConfig(snapshot_every=3, retain_last=1))
+    state = {"w": torch.zeros(64, 64, dtype=torch.bfloat16)}
+    versions = []
+    for i in range(7):
+        state = {"w": state["w"] + float(i)}
+        versions.append(store.put(state).version)
+    # v1 full, v2, v3 delta, v4 full, v5, v6 delta, v7 full
+    gc_plan = plan_gc(store.manifests(), in_use={versions[4]}, retain_last=1)
+    assert versions[4] in gc_plan.keep and versions[3] in gc_plan.keep  # v5 and its chain root v4
+    assert versions[5] in gc_plan.keep  # v5 -> v7 deltas stay for the replica's cheap update
+    assert versions[0] in gc_plan.delete and versions[1] in gc_plan.delete
+    Path(store.path("crashed")).mkdir()
+    result = collect(store, {versions[4]}, retain_last=1)
+    assert result.delete == gc_plan.delete and result.incomplete == []
+    assert [m.version for m in store.manifests()] == gc_plan.keep
+    live = store.state_dict(versions[4])
+    update(store, live, versions[4], versions[6])
+    assert _same(live, store.state_dict(versions[6]))
+    store.config = WeightsConfig(stale_write_s=1e-9)
+    assert collect(store, set()).incomplete == ["crashed"]
