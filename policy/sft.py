@@ -125,7 +125,7 @@ def warmup(cfg: SFTConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, di
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        loss_value = float(loss)
+        loss_value = float(loss.detach())
         if step % 50 == 0:
             log.info("sft.step", step=step, loss=round(loss_value, 4))
         if cfg.max_seconds is not None and time.monotonic() - start > cfg.max_seconds:

@@ -168,6 +168,8 @@ async def rollout(
         name = "canary" if idx == 0 else f"stage-{idx}"
         stage = {"name": name, "replicas": [r.id for r in batch], "outcome": "running", "started_at": _now()}
 
+        current = "prefetch"
+
         # Pull to every replica of the stage before any of them pauses.
         async def pull(rep: fleet.Replica) -> None:
             async with EngineClient(rep.url) as client:
@@ -176,11 +178,12 @@ async def rollout(
         try:
             await asyncio.gather(*(pull(r) for r in batch))
             for rep in batch:
+                current = rep.id
                 nbytes, pause_ms = await _move(db, rep, to_version, to_hash, kind, config)
                 updated.append(rep)
                 result.pause_ms[rep.id], result.pulled_bytes[rep.id] = pause_ms, nbytes
         except EngineError as exc:
-            stage["outcome"], failure = "error", f"{name}: update failed: {exc.message}"
+            stage["outcome"], failure = "error", f"{name}: update of {current} failed: {exc.message}"
         if not failure and metrics is not None:
             ok, why, observed = await _wait_gate(metrics, to_version, old_version, config)
             stage["metrics"] = observed

@@ -103,12 +103,12 @@ class CompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
-class RpcRequest(BaseModel):
+class RpcRequest(BaseModel):  # type: ignore[no-redef]
     """``POST /collective_rpc`` body, as vLLM's dev-mode server takes it."""
 
     method: str
     args: list[Any] = Field(default_factory=list)
-    kwargs: dict[str, Any] = Field(default_factory=dict)  # type: ignore[no-redef]
+    kwargs: dict[str, Any] = Field(default_factory=dict)
     timeout: float | None = None
 
 

@@ -60,7 +60,13 @@ class UndertowWorkerExtension:
 
     def _undertow_updater(self) -> WeightUpdater:
         if self._undertow is None:
-            shadow = load_hf_tensors(self._undertow_checkpoint())
+            store, version = os.environ.get("UNDERTOW_WEIGHTS_STORE"), os.environ.get("UNDERTOW_WEIGHTS_VERSION", "v0")
+            if store:  # the store's snapshot names tensors exactly as its deltas do
+                from serving._devstore import DevStore
+
+                shadow = DevStore(store).read_snapshot(version)
+            else:
+                shadow = load_hf_tensors(self._undertow_checkpoint())
             model = self.model_runner.model  # type: ignore[attr-defined]
 
             def commit(new: Tensors) -> None:

@@ -32,6 +32,16 @@ def _pg_available() -> str | None:
         return f"PostgreSQL not reachable at {PG_ADMIN_URL}: {exc.__class__.__name__}: {exc}"
 
 
+@pytest.fixture(autouse=True)
+def _fresh_logging() -> Iterator[None]:
+    """CLI tests configure structlog on a captured stream; reset it so later tests log safely."""
+    import structlog
+
+    structlog.reset_defaults()
+    yield
+    structlog.reset_defaults()
+
+
 @pytest.fixture(scope="session")
 def pg_unavailable() -> str | None:
     """Why PostgreSQL cannot be used, or None."""

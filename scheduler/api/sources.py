@@ -336,6 +336,13 @@ def borrow_windows(
     return sorted(kept, key=lambda w: (w["start"], w["replica"]))
 
 
+def _parse_time(value: Any) -> datetime | None:
+    try:
+        return _aware(datetime.fromisoformat(value)) if isinstance(value, str) else None
+    except ValueError:
+        return None
+
+
 def _aware(ts: datetime) -> datetime:
     return ts.replace(tzinfo=UTC) if ts.tzinfo is None else ts.astimezone(UTC)
 
@@ -343,16 +350,34 @@ def _aware(ts: datetime) -> datetime:
 # Policy versions ---------------------------------------------------------------------------------
 
 
-def _weight_manifests(settings: Settings) -> list[Any]:
-    """Manifests of the weight store the settings point at, oldest first (none when it is empty)."""
+def _weight_manifests(settings: Settings) -> list[dict[str, Any]]:
+    """Manifests of the weight store the settings point at, oldest first.
+
+    Read as plain JSON at the layout :mod:`policy.weights.store` documents
+    (``versions/<version>/manifest.json``, written last) instead of through ``WeightStore``, whose
+    import pulls in torch: an API request should not pay seconds of import time.
+    """
+    import json
     from pathlib import Path
 
-    from policy.weights import WeightStore
+    import fsspec
 
     url = settings.policy.weights_url
     if "://" not in url and not Path(url).is_absolute():
         url = str(settings.home / url)
-    return WeightStore(url, settings.policy.weights).manifests()
+    fs, root = fsspec.core.url_to_fs(url)
+    if not fs.exists(f"{root}/versions"):
+        return []
+    manifests = []
+    for path in fs.glob(f"{root}/versions/*/manifest.json"):
+        with fs.open(path, "rb") as handle:
+            try:
+                data = json.loads(handle.read())
+            except ValueError:
+                continue
+        if isinstance(data, dict) and isinstance(data.get("version"), str):
+            manifests.append(data)
+    return sorted(manifests, key=lambda m: m.get("seq", 0))
 
 
 def _all_policy_versions(session: Session, settings: Settings) -> list[PolicyVersion]:
@@ -361,13 +386,20 @@ def _all_policy_versions(session: Session, settings: Settings) -> list[PolicyVer
     serving = {t.version: t.pool for t in session.scalars(select(TargetRow))}
     out: dict[str, PolicyVersion] = {}
     for m in _weight_manifests(settings):
-        out[m.version] = PolicyVersion(
-            version=m.version,
-            parent=m.parent,
-            created_at=datetime.fromisoformat(m.created_at),
-            step=m.meta.get("step"),
-            status=f"serving ({serving[m.version]})" if m.version in serving else "stored",
-            info={"seq": m.seq, "version_hash": m.version_hash, "meta": m.meta, "has_full": m.full is not None},
+        meta = m.get("meta") if isinstance(m.get("meta"), dict) else {}
+        version = m["version"]
+        out[version] = PolicyVersion(
+            version=version,
+            parent=m.get("parent"),
+            created_at=_parse_time(m.get("created_at")),
+            step=meta.get("step") if isinstance(meta.get("step"), int) else None,
+            status=f"serving ({serving[version]})" if version in serving else "stored",
+            info={
+                "seq": m.get("seq"),
+                "version_hash": m.get("version_hash"),
+                "meta": meta,
+                "has_full": bool(m.get("full")),
+            },
         )
     seen = session.execute(
         select(SessionRow.policy_version, func.min(SessionRow.occurred_at), func.count()).group_by(

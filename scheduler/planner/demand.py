@@ -8,7 +8,8 @@ Serving capacity has to cover the arrival rate over every short interval ``tau``
 - burstiness: for a renewal process with inter-arrival coefficient of variation ``cv``, the
   count in ``tau`` has variance ``cv^2 * lambda * tau`` (Cox 1962), so the rate over ``tau``
   has variance ``D / tau`` with the trace's dispersion ``D = sum_i cv_i^2 * lambda_i``
-  (independent clients add variances). It is capped at ``m^2 (k - 1)``, the variance of a
+  (independent clients add variances; with per-client data each client is drawn on its own
+  and the draws summed). It is capped at ``m^2 (k - 1)``, the variance of a
   window whose every arrival lands in one of its ``k`` intervals (heavy-tailed clients in the
   ServeGen data reach a CV of 100 and more).
 
@@ -45,22 +46,41 @@ def interval_means(trace: Trace, tau_s: int) -> np.ndarray:
     return means
 
 
+def _gamma(means: np.ndarray, variance: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Gamma draws with the given means and variances (the mean itself where either is 0)."""
+    k = means.shape[-1]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        # A window cannot hold more than all its arrivals in one interval: var <= m^2 (k - 1).
+        variance = np.minimum(variance, means * means * (k - 1))
+        ok = (means > 0) & (variance > 0)
+        shape = np.where(ok, means * means / np.where(ok, variance, 1.0), 1.0)
+        scale = np.where(ok, variance / np.where(ok, means, 1.0), 0.0)
+    draws = rng.gamma(shape, scale)
+    return np.where(ok, draws, np.maximum(np.nan_to_num(means), 0.0))
+
+
 def sample_interval_demand(trace: Trace, tau_s: int, seed: int = 0) -> np.ndarray:
-    """Seeded draw of the arrival rate over every ``tau`` interval (NaN rows on gaps)."""
+    """Seeded draw of the arrival rate over every ``tau`` interval (NaN rows on gaps).
+
+    With per-client data each client is drawn on its own and the draws are summed (a steady
+    client stays steady beside a bursty one); otherwise the window is one component.
+    """
     if trace.window_s % tau_s:
         raise ValueError(f"burst interval {tau_s} s must divide the window length {trace.window_s} s")
     means = interval_means(trace, tau_s)
     rng = np.random.default_rng(seed)
     with np.errstate(invalid="ignore", divide="ignore"):
-        scale_by = means / trace.rate[:, None]  # dispersion follows the interpolated level
-        variance = trace.dispersion[:, None] * scale_by / tau_s
-        # A window cannot hold more than all its arrivals in one interval: var <= m^2 (k - 1).
-        variance = np.minimum(variance, means * means * (means.shape[1] - 1))
-        ok = (means > 0) & (variance > 0)
-        shape = np.where(ok, means * means / np.where(ok, variance, 1.0), 1.0)
-        scale = np.where(ok, variance / np.where(ok, means, 1.0), 0.0)
-    draws = rng.gamma(shape, scale)
-    draws = np.where(ok, draws, np.maximum(means, 0.0))
+        level = means / trace.rate[:, None]  # the trend, relative to the window mean
+    if trace.client_rate is None or trace.client_dispersion is None:
+        draws = _gamma(means, trace.dispersion[:, None] * level / tau_s, rng)
+    else:
+        draws = np.zeros_like(means)
+        for rate_c, disp_c in zip(trace.client_rate, trace.client_dispersion, strict=True):
+            active = rate_c > 0
+            if not active.any():
+                continue
+            m = rate_c[active, None] * level[active]
+            draws[active] += _gamma(m, disp_c[active, None] * level[active] / tau_s, rng)
     draws[trace.gaps] = np.nan
     return draws
 

@@ -44,6 +44,10 @@ class Trace:
     dispersion: np.ndarray
     """``sum_i cv_i^2 rate_i`` per window (requests/s); NaN on gaps."""
     source: str
+    client_rate: np.ndarray | None = None
+    """Per-client rates, shape ``(clients, windows)``, when the trace has them (client files)."""
+    client_dispersion: np.ndarray | None = None
+    """Per-client ``cv^2 * rate``, same shape: bursts are drawn per client, then summed."""
 
     def __len__(self) -> int:
         return len(self.rate)
@@ -66,6 +70,8 @@ class Trace:
             np.roll(self.rate, -steps),
             np.roll(self.dispersion, -steps),
             f"{self.source} (shifted {hours:+g} h)",
+            None if self.client_rate is None else np.roll(self.client_rate, -steps, axis=1),
+            None if self.client_dispersion is None else np.roll(self.client_dispersion, -steps, axis=1),
         )
 
 
@@ -101,7 +107,14 @@ def _check_grid(starts: list[float], where: list[str], source: str) -> int:
     return int(step)
 
 
-def _finish(starts: list[float], rates: list[float], disp: list[float], window_s: int, source: str) -> Trace:
+def _finish(
+    starts: list[float],
+    rates: list[float],
+    disp: list[float],
+    window_s: int,
+    source: str,
+    clients: tuple[np.ndarray, np.ndarray] | None = None,
+) -> Trace:
     rate = np.asarray(rates, dtype=np.float64)
     dispersion = np.asarray(disp, dtype=np.float64)
     gap = rate == 0.0
@@ -114,7 +127,8 @@ def _finish(starts: list[float], rates: list[float], disp: list[float], window_s
         )
     rate[gap] = np.nan
     dispersion[gap] = np.nan
-    return Trace(window_s, np.asarray(starts, dtype=np.int64), rate, dispersion, source)
+    client_rate, client_disp = clients if clients is not None else (None, None)
+    return Trace(window_s, np.asarray(starts, dtype=np.int64), rate, dispersion, source, client_rate, client_disp)
 
 
 def load_total_csv(path: Path, default_cv: float = 1.0) -> Trace:
@@ -169,6 +183,8 @@ def load_client_dir(path: Path, default_cv: float = 1.0) -> Trace:
     grid_where: list[str] = []
     total: np.ndarray | None = None
     disp: np.ndarray | None = None
+    per_rate: list[np.ndarray] = []
+    per_disp: list[np.ndarray] = []
     for f in files:
         starts: list[float] = []
         rates: list[float] = []
@@ -209,9 +225,12 @@ def load_client_dir(path: Path, default_cv: float = 1.0) -> Trace:
         assert total is not None and disp is not None
         total += r
         disp += c * c * r
+        per_rate.append(r)
+        per_disp.append(c * c * r)
     assert grid is not None and total is not None and disp is not None
     window_s = _check_grid(grid, grid_where, str(path))
-    return _finish(grid, total.tolist(), disp.tolist(), window_s, str(path))
+    clients = (np.vstack(per_rate), np.vstack(per_disp))
+    return _finish(grid, total.tolist(), disp.tolist(), window_s, str(path), clients)
 
 
 def load_trace(path: str | Path, default_cv: float = 1.0) -> Trace:

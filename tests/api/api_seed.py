@@ -21,7 +21,6 @@ from sqlalchemy.engine import Engine
 from ingest.db import transaction
 from ingest.schemas import validate_event
 from ingest.writer import write_events
-from reward_models.tables import RewardModelRow
 from serving.tables import DeploymentRow, DeploymentStageRow, ReplicaRow, TargetRow
 
 VERSIONS = ("v0", "v1", "v2", "v3")
@@ -30,6 +29,14 @@ HORIZONS = (300, 3600, 86400)
 MODEL = "undertow-coder"
 SECRET_PROMPT = "Write merge_intervals(xs) for the billing service"
 SECRET_CODE = "def merge_intervals(xs):\n    return sorted(xs)  # SECRET-CODE-MARKER\n"
+PADDING = (
+    "    # step one: sort\n",
+    "    result = None\n",
+    "    # now return it\n",
+    "    value = 0\n",
+    "    pass\n",
+    "    # done\n",
+)
 
 
 @dataclass
@@ -41,6 +48,7 @@ class Seeded:
     session_ids: list[str] = field(default_factory=list)
     start: datetime = datetime(2026, 1, 1, tzinfo=UTC)
     end: datetime = datetime(2026, 1, 1, tzinfo=UTC)
+    reward_models: list[str] = field(default_factory=list)
 
 
 def _ts(t: datetime) -> str:
@@ -62,11 +70,12 @@ def _env(kind: str, session_id: str | None, at: datetime, payload: dict[str, Any
 
 
 def seed_telemetry(engine: Engine, *, n_sessions: int = 600, seed: int = 7, now: datetime | None = None) -> Seeded:
-    """Write ``n_sessions`` sessions over the last ~36 hours with their signals."""
+    """Write ``n_sessions`` sessions served from 74 to 26 hours ago, with their signals (every
+    retention horizon has elapsed, so the reward models get final labels)."""
     rng = np.random.default_rng(seed)
     now = now or datetime.now(UTC)
-    start = now - timedelta(hours=36)
-    span = timedelta(hours=30)
+    start = now - timedelta(hours=74)
+    span = timedelta(hours=48)
     events: list[dict[str, Any]] = []
     out = Seeded(start=start, end=start + span)
     i = 0
@@ -92,7 +101,12 @@ def seed_telemetry(engine: Engine, *, n_sessions: int = 600, seed: int = 7, now:
                 "prompt": {"text": SECRET_PROMPT},
                 "segments": [
                     {"role": "user", "text": SECRET_PROMPT},
-                    {"role": "assistant", "text": SECRET_CODE, "token_ids": [1, 2, 3], "logprobs": [-0.1, -0.2, -0.3]},
+                    {
+                        "role": "assistant",
+                        "text": SECRET_CODE + "".join(PADDING[: int(rng.integers(0, 4)) + (2 if utility < q else 0)]),
+                        "token_ids": [1, 2, 3],
+                        "logprobs": [float(-0.1 - (1 - utility) * rng.random()), -0.2, -0.3],
+                    },
                 ],
                 "latency_ms": float(rng.uniform(80, 400)),
             }
@@ -209,41 +223,24 @@ def seed_fleet(engine: Engine, now: datetime | None = None) -> None:
             s.add(dep)
 
 
-def seed_reward_models(engine: Engine, now: datetime | None = None) -> list[str]:
-    """Three reward-model versions: two promoted in turn, one candidate that lost."""
-    now = now or datetime.now(UTC)
-    versions = []
-    with transaction(engine) as s:
-        for i, (status, auc) in enumerate((("retired", 0.71), ("promoted", 0.78), ("candidate", 0.74))):
-            version = f"rm-{i:03d}"
-            versions.append(version)
-            s.add(
-                RewardModelRow(
-                    version=version,
-                    created_at=now - timedelta(hours=30 - 10 * i),
-                    backend="sklearn",
-                    status=status,
-                    reason="beats the promoted version" if status != "candidate" else "does not beat rm-001",
-                    artifact_sha256="0" * 64,
-                    artifact_path=f"{'0' * 64}.pkl",
-                    window_start=now - timedelta(hours=36),
-                    window_end=now - timedelta(hours=30 - 10 * i),
-                    n_labeled=300 + 100 * i,
-                    primary_metric=auc,
-                    config={},
-                    metrics={"retention/auc": auc, "retention/auc_baseline": 0.5},
-                    reference_scores=[0.1, 0.2],
-                    promoted_at=now - timedelta(hours=30 - 10 * i) if status != "candidate" else None,
-                )
-            )
-    return versions
+def seed_reward_models(engine: Engine, home: Path, end: datetime) -> list[str]:
+    """Train two real reward-model versions (the reward-model layer's own trainer): one on the
+    data up to 12 hours before ``end``, one on all of it."""
+    from reward_models.config import RewardsConfig
+    from reward_models.train import train_reward_models
+
+    config = RewardsConfig()
+    return [
+        train_reward_models(engine, config, home, now=end - timedelta(hours=12)).version,
+        train_reward_models(engine, config, home, now=datetime.now(UTC)).version,
+    ]
 
 
-def seed_all(engine: Engine, n_sessions: int = 600) -> Seeded:
-    """Every kind of row the dashboards read."""
+def seed_all(engine: Engine, home: Path, n_sessions: int = 600) -> Seeded:
+    """Every kind of row the dashboards read (reward-model artifacts go under ``home``)."""
     seeded = seed_telemetry(engine, n_sessions=n_sessions)
     seed_fleet(engine)
-    seed_reward_models(engine)
+    seeded.reward_models = seed_reward_models(engine, home, seeded.end)
     return seeded
 
 
@@ -252,7 +249,7 @@ def make_settings(tmp_path: Path, db_url: str, **api: Any) -> Any:
     from scheduler.settings import Settings
 
     api = {"rate_limit_per_minute": 100_000, "rate_limit_burst": 10_000, **api}
-    return Settings(home=tmp_path / "home", database_url=db_url, api=api)
+    return Settings(home=tmp_path, database_url=db_url, api=api)
 
 
 def auth(token: str) -> dict[str, str]:

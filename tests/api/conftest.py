@@ -62,9 +62,15 @@ def api_engine(shared_url: str) -> Iterator[Engine]:
 
 
 @pytest.fixture(scope="module")
-def seeded(api_engine: Engine) -> Seeded:
-    """Demo-sized telemetry, fleet, deployments and reward models in the module's database."""
-    return seed_all(api_engine, n_sessions=300)
+def api_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Undertow home of the module's app (reward-model artifacts live under it)."""
+    return tmp_path_factory.mktemp("home")
+
+
+@pytest.fixture(scope="module")
+def seeded(api_engine: Engine, api_home: Path) -> Seeded:
+    """Demo-sized telemetry, fleet, deployments and trained reward models in the module's database."""
+    return seed_all(api_engine, api_home, n_sessions=300)
 
 
 @pytest.fixture(scope="module")
@@ -76,20 +82,18 @@ def tokens(api_engine: Engine) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def client(
-    tmp_path_factory: pytest.TempPathFactory, shared_url: str, api_engine: Engine, seeded: Seeded
-) -> Iterator[TestClient]:
+def client(api_home: Path, shared_url: str, api_engine: Engine, seeded: Seeded) -> Iterator[TestClient]:
     """A client for an app on the module's seeded database."""
     from scheduler.api.app import create_app
 
-    app = create_app(make_settings(tmp_path_factory.mktemp("home"), shared_url), engine=api_engine)
+    app = create_app(make_settings(api_home, shared_url), engine=api_engine)
     with TestClient(app) as c:
         yield c
 
 
 @pytest.fixture
-def app_factory(tmp_path: Path, shared_url: str, api_engine: Engine):  # type: ignore[no-untyped-def]
+def app_factory(api_home: Path, shared_url: str, api_engine: Engine):  # type: ignore[no-untyped-def]
     """Build another app on the module's database with other ``api`` settings."""
     from scheduler.api.app import create_app
 
-    return lambda **api: create_app(make_settings(tmp_path, shared_url, **api), engine=api_engine)
+    return lambda **api: create_app(make_settings(api_home, shared_url, **api), engine=api_engine)

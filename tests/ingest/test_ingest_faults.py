@@ -165,7 +165,7 @@ def test_postgres_goes_away_mid_stream(broker: Any, kafka_cfg: KafkaConfig, inge
                      "AND pid <> pg_backend_pid()")
             )
         producer.join(timeout=60)
-        wait_for(lambda: stored_count(direct) >= len(events), 90, "every event")
+        wait_for(lambda: stored_count(direct) >= len(events), 90, f"every event {consumer.stats} {stored_count(direct)} {thread.is_alive()}")
         consumer.stop()
         thread.join(timeout=30)
         assert consumer.stats.db_retries > 0

@@ -120,11 +120,19 @@ def test_judge_endpoint_down_is_counted_not_fatal(sqlite_engine: Engine) -> None
 
 
 def _invoke(args: list[str], env: dict[str, str]) -> Any:
+    """Run the CLI in-process; afterwards restore logging, which the CLI bound to the runner's captured stderr."""
+    import logging
+
+    import structlog
     from typer.testing import CliRunner
 
     from scheduler.cli import app
 
-    return CliRunner().invoke(app, args, env=env)
+    try:
+        return CliRunner().invoke(app, args, env=env)
+    finally:
+        structlog.reset_defaults()
+        logging.basicConfig(force=True)
 
 
 @pytest.mark.slow

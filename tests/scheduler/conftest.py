@@ -71,9 +71,28 @@ class Worker:
         full = {**os.environ, **env, "PYTHONPATH": os.pathsep.join([str(HERE), str(REPO)])}
         self.log = log
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "scheduler.celery_app", "worker", "--pool=solo",
-             "--loglevel=INFO", "--without-gossip", "--without-mingle", "--without-heartbeat", "-n", f"{name}@%h", "-Q", queues],
-            env=full, cwd=str(log.parent), stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "scheduler.celery_app",
+                "worker",
+                "--pool=solo",
+                "--loglevel=INFO",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+                "-n",
+                f"{name}@%h",
+                "-Q",
+                queues,
+            ],
+            env=full,
+            cwd=str(log.parent),
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
 
     def wait_ready(self, timeout: float = 60.0) -> None:

@@ -83,8 +83,15 @@ def test_loop_chain_runs_end_to_end_on_a_real_worker(shared: dict[str, str]) -> 
     assert calls[-4:] == ["drain", "sleep", "wake", "rejoin"]
     assert fleet["replicas"][lent]["state"] == "serving"
     events = [e.event for e in _events(engine, holder=rl_job.id)]
-    assert events == ["lent", "state:sleeping", "state:lent", "state:checkpointing", "state:waking",
-                      "state:verifying", "returned"]
+    assert events == [
+        "lent",
+        "state:sleeping",
+        "state:lent",
+        "state:checkpointing",
+        "state:waking",
+        "state:verifying",
+        "returned",
+    ]
 
 
 def test_failed_canary_rolls_back(shared: dict[str, str]) -> None:
@@ -108,8 +115,9 @@ def test_preemption_hands_back_in_time_and_resumes_to_the_same_result(shared: di
     settings = settings_for(sched_env)
     engine = _engine(sched_env)
     steps = 40
-    res = make_celery(settings).send_task("undertow.rl_update", args=({"run_id": "pre-1", "steps": steps,
-                                                                         "step_sleep_s": 0.1, "seed": 3},))
+    res = make_celery(settings).send_task(
+        "undertow.rl_update", args=({"run_id": "pre-1", "steps": steps, "step_sleep_s": 0.1, "seed": 3},)
+    )
     lease = wait_for(lambda: [x for x in leases.active_leases(engine) if x["state"] == "lent"], what="a lent replica")
     time.sleep(1.0)  # a few training steps
     deadline_s = 10.0

@@ -3,6 +3,7 @@ the borrowing state machine, preemption sizing, pools by region, and within-wind
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -128,7 +129,7 @@ def test_state_machine() -> None:
     assert return_path(s.DRAINING) == [s.SERVING]
     for start in s:
         path = [start, *return_path(start)]
-        for a, b in zip(path, path[1:], strict=False):
+        for a, b in itertools.pairwise(path):
             check_transition(a, b)
     t = BorrowTimings(drain_s=20, sleep_s=5, checkpoint_s=15, wake_s=20, verify_s=5)
     assert t.lend_s == 25 and t.return_s == 40

@@ -62,7 +62,10 @@ BAD = {
     "negative": ("window_start_s,total_rate_rps\n0,1\n600,-5\n", ":3: total_rate_rps is -5; rates cannot be negative"),
     "nan": ("window_start_s,total_rate_rps\n0,1\n600,nan\n", "finite"),
     "inf": ("window_start_s,total_rate_rps\n0,1\n600,inf\n", "finite"),
-    "unsorted": ("window_start_s,total_rate_rps\n0,1\n1200,2\n600,3\n", ":4: window_start_s 600 does not come after 1200"),
+    "unsorted": (
+        "window_start_s,total_rate_rps\n0,1\n1200,2\n600,3\n",
+        ":4: window_start_s 600 does not come after 1200",
+    ),
     "duplicate": ("window_start_s,total_rate_rps\n0,1\n600,2\n600,3\n", "sorted and unique"),
     "missing_window": ("window_start_s,total_rate_rps\n0,1\n600,2\n1800,3\n", "evenly spaced"),
     "bad_window_length": ("window_start_s,total_rate_rps\n0,1\n700,2\n1400,3\n", "does not divide a day"),
@@ -77,7 +80,7 @@ BAD = {
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_csv_gets_a_clear_error(tmp_path: Path, case: str) -> None:
     text, message = BAD[case]
-    with pytest.raises(TraceError, match=None) as err:
+    with pytest.raises(TraceError) as err:
         load_trace(_csv(tmp_path, text))
     assert message in str(err.value)
 
@@ -99,13 +102,17 @@ def test_bad_client_dirs(tmp_path: Path) -> None:
     with pytest.raises(TraceError, match="expected 6"):
         load_trace(d)
     (d / "chunk-2-trace.csv").write_text("0,1,1,Gamma,1,1\n600,-1,1,Gamma,1,1\n")
-    with pytest.raises(TraceError, match="chunk-2-trace.csv:2: rate_rps is -1"):
+    with pytest.raises(TraceError, match=r"chunk-2-trace\.csv:2: rate_rps is -1"):
         load_trace(d)
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "scheduler.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=120,
+        [sys.executable, "-m", "scheduler.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=120,
         env={"UNDERTOW_HOME": str(cwd / "home"), "PATH": "/usr/bin:/bin", "UNDERTOW_LOG_LEVEL": "WARNING"},
     )
 
@@ -118,7 +125,14 @@ def test_cli_simulate_json_and_bad_trace(tmp_path: Path) -> None:
     out = _cli("simulate", "--trace", str(DATA / "total_rate_4days.csv"), "--json", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout.strip().splitlines()[-1])
-    for key in ("harvested_gpu_h", "oracle_gpu_h", "harvest_ratio", "fixed_window_ratio", "slo_violations",
-                "p99_preempt_s", "idle_gpu_h"):
+    for key in (
+        "harvested_gpu_h",
+        "oracle_gpu_h",
+        "harvest_ratio",
+        "fixed_window_ratio",
+        "slo_violations",
+        "p99_preempt_s",
+        "idle_gpu_h",
+    ):
         assert key in report
     assert 0 < report["harvest_ratio"] <= 1.0

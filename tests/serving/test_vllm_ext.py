@@ -68,11 +68,10 @@ def _fused_q(worker: FakeWorker, tensors: dict[str, torch.Tensor]) -> tuple[torc
 
 
 def test_extension_applies_delta_in_vllm_layout_and_refuses_corruption(versions, monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from serving.vllm_ext import load_hf_tensors
 
     monkeypatch.setenv("UNDERTOW_WEIGHTS_STORE", str(versions.store))
     monkeypatch.setenv("UNDERTOW_WEIGHTS_VERSION", "v0")
-    worker = FakeWorker(str(versions.checkpoint), load_hf_tensors(versions.checkpoint))
+    worker = FakeWorker(str(versions.checkpoint), dict(versions.model_tensors["v0"]))
     info = worker.undertow_weight_info()
     assert info == {"version": "v0", "hash": versions.hashes["v0"], "staged": None}
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import structlog
 import torch
 
 from policy.config import WeightsConfig
@@ -47,3 +49,10 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 def store(tmp_path: Path) -> WeightStore:
     """An empty store (full snapshot every 3 versions)."""
     return WeightStore(tmp_path / "weights", WeightsConfig(snapshot_every=3))
+
+
+@pytest.fixture(autouse=True)
+def _reset_logging() -> Iterator[None]:
+    """CLI tests bind structlog to the runner's stderr, which closes; later logs must not write there."""
+    yield
+    structlog.reset_defaults()

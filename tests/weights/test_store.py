@@ -102,12 +102,12 @@ def test_truncated_files_are_detected(store: WeightStore, checkpoints: list[Path
     delta_path.write_bytes(delta_path.read_bytes()[:-10])
     live = store.state_dict(versions[0])
     before = {k: v.clone() for k, v in live.items()}
-    with pytest.raises(WeightsError, match="truncated|corrupt"):
+    with pytest.raises(WeightsError, match=r"truncated|corrupt"):
         apply_delta_inplace(live, store.open_delta(versions[1]))
     assert _same(live, before)
     full_path = Path(store.path(versions[0], FULL_FILE))
     full_path.write_bytes(full_path.read_bytes()[:-100])
-    with pytest.raises(WeightsError, match="truncated|corrupt"):
+    with pytest.raises(WeightsError, match=r"truncated|corrupt"):
         apply_full_inplace({}, store.open_full(versions[0]))
 
 
