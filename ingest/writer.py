@@ -209,6 +209,9 @@ def write_events(
         else:
             signals.append(signal_row(d.event, received_at))
 
+    # A fixed key order keeps two concurrent writers from deadlocking on each other's rows.
+    sessions.sort(key=lambda r: r["session_id"])
+    signals.sort(key=lambda r: r["event_id"])
     inserted: set[str] = set()
     if sessions:
         stmt = _insert(session, SessionRow.__table__).on_conflict_do_nothing().returning(SessionRow.event_id)

@@ -112,3 +112,33 @@ def start_engines(
             p.kill()
         raise
     return procs
+
+
+class ServerThread:
+    """An ASGI app (the gateway) under uvicorn in a background thread on a free loopback port."""
+
+    def __init__(self, app: object, port: int = 0) -> None:
+        import threading
+
+        import uvicorn
+
+        self.port = port or free_port()
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", access_log=False)  # type: ignore[arg-type]
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError(f"the server on port {self.port} failed to start")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)

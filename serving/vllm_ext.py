@@ -32,7 +32,8 @@ from typing import Any
 import torch
 
 from serving.protocol import ApplyRequest, PrefetchRequest
-from serving.weights import Tensors, WeightUpdater
+from serving.params import DictParams, Tensors
+from serving.weights import WeightUpdater
 
 
 def load_hf_tensors(checkpoint: str | Path) -> Tensors:
@@ -61,25 +62,19 @@ class UndertowWorkerExtension:
     def _undertow_updater(self) -> WeightUpdater:
         if self._undertow is None:
             store, version = os.environ.get("UNDERTOW_WEIGHTS_STORE"), os.environ.get("UNDERTOW_WEIGHTS_VERSION", "v0")
-            if store:  # the store's snapshot names tensors exactly as its deltas do
-                from serving._devstore import DevStore
+            if store:  # the store names tensors as the checkpoint does, in the dtype the fleet serves
+                from policy.weights import WeightStore
 
-                shadow = DevStore(store).read_snapshot(version)
+                shadow = WeightStore(store).state_dict(version)
             else:
                 shadow = load_hf_tensors(self._undertow_checkpoint())
             model = self.model_runner.model  # type: ignore[attr-defined]
 
-            def commit(new: Tensors) -> None:
+            def load(new: Tensors) -> None:
                 with torch.no_grad():
                     model.load_weights(weights=list(new.items()))
-                shadow.update(new)
 
-            self._undertow = WeightUpdater(
-                lambda: shadow,
-                commit,
-                version=os.environ.get("UNDERTOW_WEIGHTS_VERSION", "v0"),
-                store_url=os.environ.get("UNDERTOW_WEIGHTS_STORE"),
-            )
+            self._undertow = WeightUpdater(DictParams(shadow, on_write=load), version=version, store_url=store)
         return self._undertow
 
     def undertow_weight_info(self) -> dict[str, Any]:

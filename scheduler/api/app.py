@@ -7,6 +7,9 @@ interactive Swagger page is off because it loads from one).
 
 from __future__ import annotations
 
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,6 +38,15 @@ TAGS = [
     {"name": "audit", "description": "Who did what, when (operators only)."},
     {"name": "ops", "description": "Health and Prometheus metrics."},
 ]
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """Warm the chart renderer in the background while the server starts taking requests."""
+    from scheduler.api.charts import warm_up
+
+    threading.Thread(target=warm_up, name="chart-warm-up", daemon=True).start()
+    yield
 
 
 def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
@@ -68,6 +80,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         docs_url=None,
         redoc_url=None,
         openapi_tags=TAGS,
+        lifespan=_lifespan,
     )
     app.state.settings = settings
     app.state.engine = engine

@@ -99,6 +99,26 @@ def _render(fig: Figure, label: str) -> str:
     return svg.replace("<svg ", f'<svg role="img" aria-label="{label}" class="chart" ', 1)
 
 
+def _legend(
+    ax: Axes, handles: list[Any] | None = None, labels: list[str] | None = None, title: str | None = None
+) -> None:
+    """One row of legend above the plot (the card around the chart carries its title)."""
+    if handles is None:
+        handles, labels = ax.get_legend_handles_labels()
+    ax.legend(
+        handles,
+        labels,
+        title=title,
+        loc="lower left",
+        bbox_to_anchor=(0.0, 1.01),
+        ncols=max(len(handles), 1),
+        frameon=False,
+        fontsize=8,
+        title_fontsize=8,
+        alignment="left",
+    )
+
+
 def _no_data(ax: Axes, message: str) -> None:
     ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes, color="#666", gid="nodata")
     ax.set_xticks([])
@@ -128,14 +148,13 @@ def reward_over_time(points: Sequence[dict[str, Any]], ylabel: str, title: str) 
                 linewidth=0,
             )
     if points:
-        ax.legend(title="policy version", fontsize=8, loc="best")
+        _legend(ax, title="policy version")
         fig.autofmt_xdate()
-    ax.set_ylabel(ylabel)
-    ax.set_title(title, loc="left")
-    return _render(fig, title)
+    ax.set_ylabel(f"{ylabel} ({title})" if title else ylabel)
+    return _render(fig, title or ylabel)
 
 
-def _horizon_label(seconds: float) -> str:
+def horizon_label(seconds: float) -> str:
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= size and seconds % size == 0:
             return f"{int(seconds // size)}{unit}"
@@ -160,12 +179,11 @@ def retention_curves(points: Sequence[dict[str, Any]]) -> str:
             xs, ys, yerr=[low, high], marker="o", ms=4, capsize=3, color=color, label=version, gid=f"series-{version}"
         )
     if points:
-        ax.set_xticks(range(len(horizons)), [_horizon_label(h) for h in horizons])
-        ax.legend(title="policy version", fontsize=8)
+        ax.set_xticks(range(len(horizons)), [horizon_label(h) for h in horizons])
+        _legend(ax, title="policy version")
         ax.set_ylim(0, 1.05)
     ax.set_xlabel("horizon after the session")
     ax.set_ylabel("lines retained")
-    ax.set_title("Retention curves by horizon", loc="left")
     return _render(fig, "Retention curves by horizon")
 
 
@@ -192,10 +210,9 @@ def win_rates(points: Sequence[dict[str, Any]], chance: float | None) -> str:
         ax.set_xticks(range(len(points)), sorted(p["policy_version"] for p in points))
         if chance:
             ax.axhline(chance, ls="--", color="#444", lw=1, label=f"chance (1/K = {chance:.2f})")
-            ax.legend(fontsize=8)
+            _legend(ax)
         ax.set_ylim(0, 1)
     ax.set_ylabel("win rate")
-    ax.set_title("Selection win rate by policy version", loc="left")
     return _render(fig, "Selection win rate by policy version")
 
 
@@ -208,7 +225,7 @@ def fleet_capacity(
     unit: str,
 ) -> str:
     """Replicas left serving (left axis) over demand (right axis), borrowed windows shaded."""
-    fig, ax = _figure()
+    fig, ax = _figure(right=0.9)
     if not times:
         _no_data(ax, "no fleet or traffic history yet")
     else:
@@ -236,70 +253,79 @@ def fleet_capacity(
             )
         handles = ax.get_legend_handles_labels()
         twin_handles = twin.get_legend_handles_labels()
-        ax.legend(handles[0] + twin_handles[0], handles[1] + twin_handles[1], fontsize=8, loc="upper left")
+        _legend(ax, handles[0] + twin_handles[0], handles[1] + twin_handles[1])
         fig.autofmt_xdate()
-    ax.set_title("Fleet capacity, demand and borrowed windows", loc="left")
     return _render(fig, "Fleet capacity, demand and borrowed windows")
 
 
 @memoized
 def job_timeline(jobs: Sequence[dict[str, Any]], now: datetime) -> str:
-    """One bar per job from start to end (or now), colored by state, grouped by job kind."""
+    """One bar per job from start to end (or now), colored by state, one row per task kind."""
+    from matplotlib.dates import date2num
+    from matplotlib.patches import Patch
+
     fig, ax = _figure(7.0, 2.8)
+    fig.subplots_adjust(left=0.15)
     if not jobs:
         _no_data(ax, "no jobs yet")
+        return _render(fig, "Job timeline")
     kinds = sorted({j["kind"] for j in jobs})
-    from matplotlib.dates import date2num
-
-    for j in jobs:
-        start = j["started_at"] or j["created_at"]
-        end = j["finished_at"] or now
-        left = date2num(start)
-        width = max(date2num(end) - left, 1e-5)
+    starts = [float(date2num(j["started_at"] or j["created_at"])) for j in jobs]
+    ends = [float(date2num(j["finished_at"] or now)) for j in jobs]
+    least = (max(ends) - min(starts)) / 150 or 1e-4  # short jobs stay visible
+    for j, left, right in zip(jobs, starts, ends, strict=True):
         ax.broken_barh(
-            [(left, width)],
+            [(left, max(right - left, least))],
             (kinds.index(j["kind"]) - 0.35, 0.7),
             facecolors=STATE_COLORS.get(j["state"].lower(), "#9467bd"),
             gid=f"series-job-{j['id']}",
         )
-    if jobs:
-        ax.set_yticks(range(len(kinds)), kinds)
-        ax.xaxis_date()
-        fig.autofmt_xdate()
-        seen = sorted({j["state"] for j in jobs})
-        from matplotlib.patches import Patch
-
-        ax.legend(
-            handles=[Patch(color=STATE_COLORS.get(s.lower(), "#9467bd"), label=s) for s in seen],
-            fontsize=8,
-            ncols=len(seen),
-        )
-    ax.set_title("Job timeline", loc="left")
+    ax.set_yticks(range(len(kinds)), [k.removeprefix("undertow.") for k in kinds])
+    ax.xaxis_date()
+    fig.autofmt_xdate()
+    seen = sorted({j["state"] for j in jobs})
+    _legend(ax, [Patch(color=STATE_COLORS.get(s.lower(), "#9467bd")) for s in seen], seen)
     return _render(fig, "Job timeline")
 
 
 @memoized
 def guard_state(points: Sequence[dict[str, Any]]) -> str:
-    """Proxy reward against the real outcome per policy version; flagged versions in red."""
-    fig, ax = _figure(7.0, 2.8)
+    """Proxy reward (left axis, reward-model log-odds) and real outcome (right axis, final
+    retention) per policy version in rollout order; a flagged version is circled in red."""
+    fig, ax = _figure(7.0, 2.8, right=0.9)
     if not points:
-        _no_data(ax, "no scored policy versions yet")
+        _no_data(ax, "no policy version has a final retention label yet")
     else:
         xs = list(range(len(points)))
         ax.plot(xs, [p["proxy"] for p in points], marker="o", color="#9467bd", label="proxy reward", gid="series-proxy")
-        ax.plot(xs, [p["real"] for p in points], marker="s", color="#2ca02c", label="real outcome", gid="series-real")
+        ax.set_ylabel("proxy (log-odds)")
+        twin = ax.twinx()
+        twin.plot(
+            xs, [p["real"] for p in points], marker="s", color="#2ca02c", label="real: retention", gid="series-real"
+        )
+        twin.set_ylabel("retention")
+        twin.grid(False)
         flagged = [i for i, p in enumerate(points) if p.get("flagged")]
         if flagged:
-            ax.scatter(
+            twin.scatter(
                 flagged,
                 [points[i]["real"] for i in flagged],
-                s=120,
+                s=160,
                 facecolors="none",
                 edgecolors="#d62728",
-                lw=2,
+                linewidths=2,
                 label="divergence flagged",
+                gid="series-flagged",
             )
         ax.set_xticks(xs, [p["policy_version"] for p in points])
-        ax.legend(fontsize=8)
-    ax.set_title("Reward-hacking guard: proxy vs real", loc="left")
+        h1, l1 = ax.get_legend_handles_labels()
+        h2, l2 = twin.get_legend_handles_labels()
+        _legend(ax, h1 + h2, l1 + l2)
     return _render(fig, "Reward-hacking guard: proxy vs real")
+
+
+def warm_up() -> None:
+    """Draw one throwaway figure so the first page view does not pay for font loading."""
+    fig, ax = _figure(2.0, 1.0)
+    ax.plot([0, 1], [0, 1])
+    _render(fig, "warm-up")

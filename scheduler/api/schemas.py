@@ -269,6 +269,35 @@ class Divergence(BaseModel):
     flagged: bool
 
 
+class GuardReport(BaseModel):
+    """The reward-hacking guard's verdict over the stored data, and the per-version means it read."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "flagged": True,
+                    "reason": "proxy reward rose +0.410 while retention fell 0.210 from v2 to v4",
+                    "reward_model": "rm-0003-1a2b3c4d",
+                    "proxy_rise": 0.41,
+                    "real_drop": 0.21,
+                    "versions": [
+                        {"policy_version": "v2", "proxy": 0.33, "real": 0.62, "n": 300, "flagged": False},
+                        {"policy_version": "v4", "proxy": 0.74, "real": 0.41, "n": 280, "flagged": True},
+                    ],
+                }
+            ]
+        }
+    )
+
+    flagged: bool
+    reason: str
+    reward_model: str | None
+    proxy_rise: float | None = None
+    real_drop: float | None = None
+    versions: list[Divergence]
+
+
 class SessionInfo(BaseModel):
     """A served session. ``prompt`` and ``completion`` are present only for callers allowed to read code."""
 

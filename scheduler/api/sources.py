@@ -16,9 +16,8 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
 from ingest.db import session_factory, transaction
-from ingest.tables import SessionRow
+from ingest.tables import SessionRow, SignalRow
 from reward_models.tables import RewardModelRow
-from scheduler.api.analytics import RewardFilter
 from scheduler.api.schemas import Job, PolicyVersion
 from scheduler.tables import BorrowEventRow, JobRow, LeaseRow
 from serving.tables import DeploymentRow, ReplicaRow, TargetRow
@@ -386,7 +385,7 @@ def _all_policy_versions(session: Session, settings: Settings) -> list[PolicyVer
     serving = {t.version: t.pool for t in session.scalars(select(TargetRow))}
     out: dict[str, PolicyVersion] = {}
     for m in _weight_manifests(settings):
-        meta = m.get("meta") if isinstance(m.get("meta"), dict) else {}
+        meta: dict[str, Any] = m["meta"] if isinstance(m.get("meta"), dict) else {}
         version = m["version"]
         out[version] = PolicyVersion(
             version=version,
@@ -443,7 +442,53 @@ def policy_lineage(session: Session, settings: Settings, version: str) -> list[s
 
 # Proxy vs real (reward-hacking guard) ------------------------------------------------------------
 
+_GUARD_CACHE: dict[tuple[Any, ...], dict[str, Any]] = {}
 
-def divergence(session: Session, f: RewardFilter) -> list[dict[str, Any]]:
-    """Per policy version: proxy reward, real outcome, sample size and the guard's flag."""
-    raise Unavailable("the reward-hacking guard is not available in this build.")
+
+def divergence(session: Session, settings: Settings) -> dict[str, Any]:
+    """The reward-hacking guard (:func:`reward_models.api.hacking_check`) on the stored data: per
+    policy version the promoted reward model's mean score (proxy) and the mean final retention
+    (real), and whether the proxy rose while retention fell. Recomputed only when the promoted
+    model or the counts of sessions and retention reports change."""
+    from reward_models.registry import current_promoted
+
+    engine = session.get_bind()
+    assert isinstance(engine, Engine), "the API's sessions are bound to an engine"
+    promoted = current_promoted(engine)
+    if promoted is None:
+        return {
+            "flagged": False,
+            "reason": "no reward model has been promoted yet",
+            "reward_model": None,
+            "versions": [],
+        }
+    key = (
+        str(engine.url),
+        promoted.version,
+        session.scalar(select(func.count()).select_from(SessionRow)),
+        session.scalar(select(func.count()).where(SignalRow.type == "code.retained")),
+    )
+    if key not in _GUARD_CACHE:
+        from reward_models.api import hacking_check
+
+        report = hacking_check(engine, settings.rewards, version=promoted.version)
+        last = report.versions[-1]["policy_version"] if report.versions else None
+        _GUARD_CACHE.clear()
+        _GUARD_CACHE[key] = {
+            "flagged": report.flagged,
+            "reason": report.reason,
+            "reward_model": promoted.version,
+            "proxy_rise": report.proxy_rise,
+            "real_drop": report.real_drop,
+            "versions": [
+                {
+                    "policy_version": v["policy_version"],
+                    "proxy": v["proxy"],
+                    "real": v["real"],
+                    "n": v["sessions"],
+                    "flagged": report.flagged and v["policy_version"] == last,
+                }
+                for v in report.versions
+            ],
+        }
+    return _GUARD_CACHE[key]

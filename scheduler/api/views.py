@@ -36,15 +36,12 @@ def models_seen(session: Session) -> list[str]:
     return sorted(session.scalars(select(SessionRow.model).distinct().limit(100)))
 
 
-def _guard(session: Session, f: analytics.RewardFilter) -> dict[str, Any]:
-    try:
-        points = sources.divergence(session, f)
-    except sources.Unavailable as exc:
-        return {"guard_chart": charts.guard_state([]), "guard_error": str(exc), "flagged": []}
+def _guard(session: Session, settings: Settings) -> dict[str, Any]:
+    report = sources.divergence(session, settings)
     return {
-        "guard_chart": charts.guard_state(points),
-        "guard_error": None,
-        "flagged": [p["policy_version"] for p in points if p["flagged"]],
+        "guard_chart": charts.guard_state(report["versions"]),
+        "guard": report,
+        "flagged": [p["policy_version"] for p in report["versions"] if p["flagged"]],
     }
 
 
@@ -55,14 +52,14 @@ def _jobs(session: Session, limit: int) -> tuple[list[Any], str | None]:
         return [], str(exc)
 
 
-def overview(session: Session, now: datetime) -> dict[str, Any]:
+def overview(session: Session, settings: Settings, now: datetime) -> dict[str, Any]:
     """Headline numbers, reward by version, the guard, what each pool serves, latest jobs."""
     f = analytics.RewardFilter()
     outcomes = analytics.load_outcomes(session, f)
     rows = analytics.select_signal(outcomes, "retention")
     _, points = analytics.timeseries(rows)
     horizon = int(rows["horizon_s"].iloc[0]) if not rows.empty else None
-    label = f"retention at {horizon}s" if horizon else "retention"
+    label = f"at {charts.horizon_label(horizon)}" if horizon else ""
     jobs, jobs_error = _jobs(session, 8)
     stats = [
         ("sessions", session.scalar(select(func.count()).select_from(SessionRow)) or 0),
@@ -72,11 +69,11 @@ def overview(session: Session, now: datetime) -> dict[str, Any]:
     ]
     return {
         "stats": stats,
-        "reward_chart": charts.reward_over_time(points, SIGNAL_LABELS["retention"], f"Real reward ({label})"),
+        "reward_chart": charts.reward_over_time(points, SIGNAL_LABELS["retention"], label),
         "pools": sources.current_deployments(session),
         "jobs": jobs,
         "jobs_error": jobs_error,
-        **_guard(session, f),
+        **_guard(session, settings),
     }
 
 
@@ -85,7 +82,9 @@ def rewards(session: Session, f: analytics.RewardFilter, signal: str) -> dict[st
     outcomes = analytics.load_outcomes(session, f)
     rows = analytics.select_signal(outcomes, signal)
     _, points = analytics.timeseries(rows)
-    title = signal + (f" at {int(rows['horizon_s'].iloc[0])}s" if signal == "retention" and not rows.empty else "")
+    title = (
+        f"at {charts.horizon_label(int(rows['horizon_s'].iloc[0]))}" if signal == "retention" and not rows.empty else ""
+    )
     wins = [r for r in analytics.summary(outcomes) if r["signal"] == "selection_win"]
     chance = None
     shown = session.scalar(select(func.avg(SignalRow.value)).where(SignalRow.type == "candidates.shown"))
@@ -112,7 +111,7 @@ def models(session: Session, settings: Settings) -> dict[str, Any]:
         "reward_models": reward_models,
         "policies": policies,
         "policy_error": policy_error,
-        **_guard(session, analytics.RewardFilter()),
+        **_guard(session, settings),
     }
 
 
@@ -162,7 +161,7 @@ def jobs(session: Session, now: datetime) -> dict[str, Any]:
     """The job timeline and table."""
     items, error = _jobs(session, 100)
     return {
-        "timeline_chart": charts.job_timeline([j.model_dump() for j in items], now),
+        "timeline_chart": charts.job_timeline([j.model_dump() for j in items], now.replace(second=0, microsecond=0)),
         "jobs": items,
         "jobs_error": error,
     }

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import socket
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 from celery import Task
 from sqlalchemy import select, update
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import CursorResult, Engine
 from sqlalchemy.exc import OperationalError
 
 from ingest.db import transaction
@@ -56,11 +56,12 @@ def record(engine: Engine, task_id: str, **values: Any) -> None:
 def mark_lost(engine: Engine, task_id: str, reason: str) -> bool:
     """Mark a job whose worker died (it still shows STARTED) as LOST."""
     with transaction(engine) as s:
-        n = s.execute(
+        result = s.execute(
             update(JobRow)
             .where(JobRow.id == task_id, JobRow.state == "STARTED")
             .values(state="LOST", error=reason, finished_at=datetime.now(UTC))
-        ).rowcount
+        )
+        n = cast("CursorResult[Any]", result).rowcount
     return bool(n)
 
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import select, update
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import CursorResult, Engine
 from sqlalchemy.orm import Session
 
 from ingest.db import transaction
@@ -140,11 +140,12 @@ def release(engine: Engine, replica_id: str, holder: str, event: str = "returned
     """End ``holder``'s lease (idempotent: False when it was not held by ``holder`` any more)."""
     now = utcnow()
     with transaction(engine) as s:
-        done = s.execute(
+        result = s.execute(
             update(LeaseRow)
             .where(LeaseRow.replica_id == replica_id, LeaseRow.holder == holder, LeaseRow.released_at.is_(None))
             .values(released_at=now, state=ReplicaState.SERVING.value)
-        ).rowcount
+        )
+        done = cast("CursorResult[Any]", result).rowcount
         if done:
             pool = s.scalar(select(LeaseRow.pool).where(LeaseRow.replica_id == replica_id)) or ""
             deadline = s.scalar(select(LeaseRow.recall_deadline).where(LeaseRow.replica_id == replica_id))

@@ -93,7 +93,7 @@ def plan_pool(fleet: FleetControl, settings: Settings, pool: str, replicas: int)
     )
     if upper is None:
         return {"pool": pool, "forecast_rps": None, "needed": replicas, "lendable": 0}
-    capacity = fleet.capacity_rps(pool)  # type: ignore[attr-defined]
+    capacity = fleet.capacity_rps(pool)
     needed = replicas_needed(upper, capacity, cfg.headroom)
     lendable = lendable_replicas(replicas, needed, min(cfg.min_serving_replicas, replicas))
     return {"pool": pool, "forecast_rps": upper, "capacity_rps": capacity, "needed": needed, "lendable": lendable}

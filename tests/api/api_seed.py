@@ -49,6 +49,8 @@ class Seeded:
     start: datetime = datetime(2026, 1, 1, tzinfo=UTC)
     end: datetime = datetime(2026, 1, 1, tzinfo=UTC)
     reward_models: list[str] = field(default_factory=list)
+    borrow_windows: int = 0
+    jobs: list[str] = field(default_factory=list)
 
 
 def _ts(t: datetime) -> str:
@@ -69,6 +71,22 @@ def _env(kind: str, session_id: str | None, at: datetime, payload: dict[str, Any
     return env
 
 
+def demand_weight(at: datetime) -> float:
+    """Relative traffic at a time of day: busy afternoons, quiet nights (peak 15:00, trough 03:00 UTC)."""
+    hour = at.hour + at.minute / 60.0
+    return 1.0 + 0.85 * float(np.cos((hour - 15.0) / 24.0 * 2 * np.pi))
+
+
+def arrival_times(rng: np.random.Generator, n: int, start: datetime, span: timedelta) -> list[datetime]:
+    """``n`` sorted session times over ``[start, start + span)`` following the daily cycle."""
+    out: list[datetime] = []
+    while len(out) < n:
+        at = start + span * float(rng.random())
+        if rng.random() * 1.85 < demand_weight(at):
+            out.append(at)
+    return sorted(out)
+
+
 def seed_telemetry(engine: Engine, *, n_sessions: int = 600, seed: int = 7, now: datetime | None = None) -> Seeded:
     """Write ``n_sessions`` sessions served from 74 to 26 hours ago, with their signals (every
     retention horizon has elapsed, so the reward models get final labels)."""
@@ -78,10 +96,11 @@ def seed_telemetry(engine: Engine, *, n_sessions: int = 600, seed: int = 7, now:
     span = timedelta(hours=48)
     events: list[dict[str, Any]] = []
     out = Seeded(start=start, end=start + span)
+    times = arrival_times(rng, n_sessions, start, span)
     i = 0
     while i < n_sessions:
         frac = i / n_sessions
-        at = start + span * frac
+        at = times[i]
         version = VERSIONS[min(int(frac * len(VERSIONS)), len(VERSIONS) - 1)]
         user = f"user-{rng.integers(0, 40)}"
         grouped = rng.random() < 0.3 and version != "v0"
@@ -103,7 +122,7 @@ def seed_telemetry(engine: Engine, *, n_sessions: int = 600, seed: int = 7, now:
                     {"role": "user", "text": SECRET_PROMPT},
                     {
                         "role": "assistant",
-                        "text": SECRET_CODE + "".join(PADDING[: int(rng.integers(0, 4)) + (2 if utility < q else 0)]),
+                        "text": SECRET_CODE + "".join(PADDING[: int(np.clip(round((0.8 - utility) * 10), 0, 6))]),
                         "token_ids": [1, 2, 3],
                         "logprobs": [float(-0.1 - (1 - utility) * rng.random()), -0.2, -0.3],
                     },
@@ -236,11 +255,68 @@ def seed_reward_models(engine: Engine, home: Path, end: datetime) -> list[str]:
     ]
 
 
+def seed_borrowing(engine: Engine, start: datetime, end: datetime) -> int:
+    """Borrow windows in the quiet hours of each night (00:30-05:30 UTC), written through the
+    scheduler's event log; the last window is still open when it has not ended yet."""
+    from scheduler.tasks.leases import log_event
+
+    windows = 0
+    day = start.replace(hour=0, minute=30, second=0, microsecond=0)
+    with transaction(engine) as s:
+        while day < end:
+            lent, back = day, day + timedelta(hours=5)
+            if back > start:
+                log_event(s, "cpu-2", "default", "lent", "seed-rl", lent, purpose="training")
+                log_event(s, "cpu-2", "default", "returned", "seed-rl", back)
+                windows += 1
+            day += timedelta(days=1)
+    return windows
+
+
+def seed_jobs(engine: Engine, now: datetime) -> list[str]:
+    """Finished, failed and running jobs, recorded through the scheduler's job table writer."""
+    from scheduler.tasks.base import record
+
+    specs = [
+        ("undertow.retrain", "SUCCESS", 50.0, 0.2),
+        ("undertow.rl_update", "SUCCESS", 49.0, 2.5),
+        ("undertow.canary", "SUCCESS", 46.0, 0.4),
+        ("undertow.promote", "SUCCESS", 45.5, 0.3),
+        ("undertow.retrain", "FAILURE", 26.0, 0.1),
+        ("undertow.rl_update", "SUCCESS", 25.0, 3.0),
+        ("undertow.canary", "SUCCESS", 21.5, 0.5),
+        ("undertow.rollback", "SUCCESS", 20.8, 0.2),
+        ("undertow.retrain", "SUCCESS", 2.0, 0.3),
+        ("undertow.rl_update", "STARTED", 1.5, None),
+    ]
+    ids = []
+    for n, (name, state, hours_ago, took_h) in enumerate(specs):
+        job_id = f"seed-job-{n:02d}"
+        created = now - timedelta(hours=hours_ago)
+        record(
+            engine,
+            job_id,
+            name=name,
+            state=state,
+            created_at=created,
+            started_at=created + timedelta(minutes=1),
+            finished_at=created + timedelta(hours=took_h) if took_h is not None else None,
+            inputs={"args": [{"run_id": job_id}], "kwargs": {}},
+            outputs={"ok": True} if state == "SUCCESS" else None,
+            error="TrainingDataError: too few labels" if state == "FAILURE" else None,
+        )
+        ids.append(job_id)
+    return ids
+
+
 def seed_all(engine: Engine, home: Path, n_sessions: int = 600) -> Seeded:
     """Every kind of row the dashboards read (reward-model artifacts go under ``home``)."""
-    seeded = seed_telemetry(engine, n_sessions=n_sessions)
-    seed_fleet(engine)
+    now = datetime.now(UTC)
+    seeded = seed_telemetry(engine, n_sessions=n_sessions, now=now)
+    seed_fleet(engine, now)
     seeded.reward_models = seed_reward_models(engine, home, seeded.end)
+    seeded.borrow_windows = seed_borrowing(engine, seeded.start, seeded.end)
+    seeded.jobs = seed_jobs(engine, now)
     return seeded
 
 

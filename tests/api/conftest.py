@@ -1,5 +1,5 @@
 """Fixtures for the control plane: one migrated, seeded database per backend (SQLite and
-PostgreSQL) shared by the module's tests (they only add rows no other test counts), tokens of
+PostgreSQL) shared by every test here (tests only add rows, and count what they add), tokens of
 each role, and a client that speaks HTTP to the app in process."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def _pg_database(reason: str | None) -> Iterator[str]:
         admin.dispose()
 
 
-@pytest.fixture(scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+@pytest.fixture(scope="session", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def shared_url(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, pg_unavailable: str | None
 ) -> Iterator[str]:
@@ -51,7 +51,7 @@ def shared_url(
             yield url
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def api_engine(shared_url: str) -> Iterator[Engine]:
     """An engine on the module's database."""
     from ingest.db import make_engine
@@ -61,19 +61,19 @@ def api_engine(shared_url: str) -> Iterator[Engine]:
     engine.dispose()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def api_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The Undertow home of the module's app (reward-model artifacts live under it)."""
     return tmp_path_factory.mktemp("home")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def seeded(api_engine: Engine, api_home: Path) -> Seeded:
     """Demo-sized telemetry, fleet, deployments and trained reward models in the module's database."""
     return seed_all(api_engine, api_home, n_sessions=300)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tokens(api_engine: Engine) -> dict[str, str]:
     """A viewer and an operator token, in clear (named ``test-viewer`` and ``test-operator``)."""
     from scheduler.api.auth import create_token
@@ -81,7 +81,7 @@ def tokens(api_engine: Engine) -> dict[str, str]:
     return {role: create_token(api_engine, f"test-{role}", role)[1] for role in ("viewer", "operator")}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def client(api_home: Path, shared_url: str, api_engine: Engine, seeded: Seeded) -> Iterator[TestClient]:
     """A client for an app on the module's seeded database."""
     from scheduler.api.app import create_app

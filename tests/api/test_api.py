@@ -6,7 +6,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from api_seed import SECRET_CODE, SECRET_PROMPT, auth
+from api_seed import SECRET_CODE, SECRET_PROMPT, Seeded, auth
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 from sqlalchemy.engine import Engine
@@ -124,18 +124,38 @@ def test_viewers_never_see_prompts_or_code(client: TestClient, tokens: dict[str,
     assert client.get("/api/v1/sessions/no-such-session", headers=viewer).status_code == 404
 
 
-def test_reward_model_registry(client: TestClient, tokens: dict[str, str]) -> None:
+def test_reward_model_registry(client: TestClient, tokens: dict[str, str], seeded: Seeded) -> None:
     h = auth(tokens["viewer"])
+    first, second = seeded.reward_models
     page = client.get("/api/v1/reward-models", headers=h).json()
-    assert [i["version"] for i in page["items"]] == ["rm-002", "rm-001", "rm-000"]
-    assert client.get("/api/v1/reward-models", params={"status": "promoted"}, headers=h).json()["total"] == 1
-    assert client.get("/api/v1/reward-models/rm-001/metrics", headers=h).json()["metrics"]["retention/auc"] == 0.78
-    assert client.get("/api/v1/reward-models/rm-002/lineage", headers=h).json()["chain"] == [
-        "rm-000",
-        "rm-001",
-        "rm-002",
-    ]
+    assert [i["version"] for i in page["items"]] == [second, first] and page["total"] == 2
+    old, new = (client.get(f"/api/v1/reward-models/{v}", headers=h).json() for v in (first, second))
+    # The first version beat the baselines and was promoted; the second did not beat it on the same hold-out.
+    assert old["status"] == "promoted" and old["promoted_at"] is not None and old["n_labeled"] > 0
+    assert new["status"] == "candidate" and first in new["reason"]
+    assert old["window_end"] < new["window_end"] and new["n_labeled"] > old["n_labeled"]
+    metrics = client.get(f"/api/v1/reward-models/{first}/metrics", headers=h).json()["metrics"]
+    assert metrics and all(isinstance(k, str) for k in metrics)
+    promoted = client.get("/api/v1/reward-models", params={"status": "promoted"}, headers=h).json()
+    assert promoted["total"] == 1
+    assert client.get(f"/api/v1/reward-models/{first}/lineage", headers=h).json()["chain"] == [first]
+    chain = client.get(f"/api/v1/reward-models/{second}/lineage", headers=h).json()["chain"]
+    assert chain == [first, second]
     assert client.get("/api/v1/reward-models/nope", headers=h).status_code == 404
+    assert client.get("/api/v1/reward-models/nope/lineage", headers=h).status_code == 404
+
+
+def test_reward_hacking_guard_reads_the_promoted_model(
+    client: TestClient, tokens: dict[str, str], seeded: Seeded
+) -> None:
+    report = client.get("/api/v1/rewards/divergence", headers=auth(tokens["viewer"])).json()
+    assert report["reward_model"] in seeded.reward_models
+    versions = [v["policy_version"] for v in report["versions"]]
+    assert versions == ["v0", "v1", "v2", "v3"]  # rollout order
+    assert all(0.0 <= v["real"] <= 1.0 and v["n"] > 0 for v in report["versions"])
+    # The seeded users' retention rises with each version: nothing to flag.
+    assert report["flagged"] is False and "no divergence" in report["reason"]
+    assert report["versions"][-1]["real"] > report["versions"][0]["real"]
 
 
 def test_fleet_and_deployments(client: TestClient, tokens: dict[str, str]) -> None:
@@ -161,6 +181,24 @@ def test_fleet_and_deployments(client: TestClient, tokens: dict[str, str]) -> No
     assert dep["stages"][0]["name"] == "canary" and dep["status"] == "succeeded"
     assert client.get("/api/v1/deployments/999", headers=h).status_code == 404
     assert client.get("/api/v1/deployments", params={"status": "running"}, headers=h).json()["total"] == 1
+
+
+def test_borrowing_timeline_and_policy_versions(client: TestClient, tokens: dict[str, str], seeded: Seeded) -> None:
+    h = auth(tokens["viewer"])
+    windows = client.get("/api/v1/fleet/borrowing", headers=h).json()
+    assert len(windows) == seeded.borrow_windows >= 2
+    assert all(w["replica"] == "cpu-2" and w["purpose"] == "training" and w["start"] < w["end"] for w in windows)
+    late = client.get("/api/v1/fleet/borrowing", params={"since": windows[-1]["start"]}, headers=h).json()
+    assert len(late) == 1
+    assert client.get("/api/v1/fleet/borrowing", params={"pool": "elsewhere"}, headers=h).json() == []
+    versions = client.get("/api/v1/policy-versions", headers=h).json()
+    assert [v["version"] for v in versions["items"]] == ["v3", "v2", "v1", "v0"]
+    assert versions["items"][0]["status"] == "serving (default)"
+    assert sum(v["info"]["sessions"] for v in versions["items"]) == seeded.sessions
+    metrics = client.get("/api/v1/policy-versions/v3/metrics", headers=h).json()["metrics"]
+    assert metrics["online/acceptance"]["n"] > 0 and "online/retention@86400s" in metrics
+    assert client.get("/api/v1/policy-versions/v3/lineage", headers=h).json()["chain"] == ["v3"]
+    assert client.get("/api/v1/policy-versions/v9", headers=h).status_code == 404
 
 
 def test_viewer_cannot_mutate_and_every_attempt_is_audited(client: TestClient, tokens: dict[str, str]) -> None:
@@ -251,6 +289,9 @@ def test_retrains_and_rollouts_queue_real_celery_messages(
     from sqlalchemy import text
 
     op, viewer = auth(tokens["operator"]), auth(tokens["viewer"])
+    jobs_before = client.get("/api/v1/jobs", headers=viewer).json()["total"]
+    with api_engine.connect() as conn:
+        queued_before = conn.execute(text("SELECT count(*) FROM kombu_message")).scalar() if _has_kombu(conn) else 0
     r = client.post(
         "/api/v1/retrains", json={"kind": "reward_model", "window_hours": 24, "reason": "drift"}, headers=op
     )
@@ -268,17 +309,26 @@ def test_retrains_and_rollouts_queue_real_celery_messages(
     assert promote["params"]["args"][0]["canary"]["passed"] is True
     back = client.post("/api/v1/deployments/2/rollback", headers=op).json()
     assert back["params"]["args"][0]["back_to"] == "v2"
-    page = client.get("/api/v1/jobs", headers=viewer).json()
-    assert page["total"] == 5
-    assert client.get("/api/v1/jobs", params={"kind": "undertow.retrain"}, headers=viewer).json()["total"] == 1
+    page = client.get("/api/v1/jobs", params={"limit": 500}, headers=viewer).json()
+    assert page["total"] == jobs_before + 5
+    mine = {j["id"] for j in page["items"]} & {job["id"], rl["id"], rollout.json()["id"], promote["id"], back["id"]}
+    assert len(mine) == 5
+    retrains = client.get("/api/v1/jobs", params={"kind": "undertow.retrain", "limit": 500}, headers=viewer).json()
+    assert job["id"] in {j["id"] for j in retrains["items"]} and rl["id"] not in {j["id"] for j in retrains["items"]}
     # Each job's first task is a message waiting on the broker (the SQLAlchemy transport on this database).
     with api_engine.connect() as conn:
-        assert conn.execute(text("SELECT count(*) FROM kombu_message")).scalar() == 5
+        assert conn.execute(text("SELECT count(*) FROM kombu_message")).scalar() == queued_before + 5
     cancelled = client.post(f"/api/v1/jobs/{job['id']}/cancel", json={"reason": "wrong window"}, headers=op)
     assert cancelled.status_code == 200 and cancelled.json()["state"] == "REVOKED"
     assert client.post(f"/api/v1/jobs/{job['id']}/cancel", headers=op).status_code == 409
-    assert 'undertow_jobs{kind="undertow.retrain",state="REVOKED"} 1.0' in client.get("/metrics").text
+    assert 'undertow_jobs{kind="undertow.retrain",state="REVOKED"}' in client.get("/metrics").text
     audit = client.get("/api/v1/audit", params={"action": "retrain.create"}, headers=op).json()["items"]
     accepted = [e for e in audit if e["status_code"] == 202]
     assert {e["detail"]["job_id"] for e in accepted} == {job["id"], rl["id"]}
     assert all(e["actor"] == "test-operator" and e["detail"]["kind"] for e in accepted)
+
+
+def _has_kombu(conn: object) -> bool:
+    from sqlalchemy import inspect
+
+    return "kombu_message" in inspect(conn).get_table_names()

@@ -10,7 +10,7 @@ from api_seed import auth
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 
-EXAMPLES_PER_OPERATION = 12
+EXAMPLES_PER_OPERATION = 8
 
 
 def test_openapi_document_is_versioned_and_has_examples(client: TestClient) -> None:
@@ -44,9 +44,7 @@ def test_generated_requests_never_fail_the_server(client: TestClient, tokens: di
         def check(case: schemathesis.Case) -> None:
             response = case.call(headers=headers)
             if response.status_code >= 500:
-                failures.append(
-                    f"{case.method} {case.formatted_path} query={case.query} body={case.body!r}: {response.status_code} {response.text[:200]}"
-                )
+                failures.append(f"{case.method} {case.formatted_path} {case.query}: {response.text[:200]}")
 
         check()
     assert not failures, "\n".join(failures[:20])

@@ -59,6 +59,7 @@ class TcpProxy:
 
     def __init__(self, target_host: str, target_port: int) -> None:
         import socket
+        import threading
 
         self.target = (target_host, target_port)
         with socket.socket() as sock:
@@ -66,7 +67,8 @@ class TcpProxy:
             self.port = sock.getsockname()[1]
         self._listener: Any = None
         self._conns: list[Any] = []
-        self._threads: list[Any] = []
+        self._lock = threading.Lock()
+        self._generation = 0
 
     def start(self) -> None:
         import socket
@@ -76,12 +78,13 @@ class TcpProxy:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(("127.0.0.1", self.port))
         listener.listen(64)
-        self._listener = listener
-        thread = threading.Thread(target=self._accept, args=(listener,), daemon=True)
-        thread.start()
-        self._threads.append(thread)
+        with self._lock:
+            self._generation += 1
+            self._listener = listener
+            generation = self._generation
+        threading.Thread(target=self._accept, args=(listener, generation), daemon=True).start()
 
-    def _accept(self, listener: Any) -> None:
+    def _accept(self, listener: Any, generation: int) -> None:
         import socket
         import threading
 
@@ -96,12 +99,19 @@ class TcpProxy:
                 client.close()
                 continue
             upstream.settimeout(None)
-            self._conns += [client, upstream]
+            with self._lock:
+                if generation != self._generation or self._listener is None:  # cut meanwhile
+                    client.close()
+                    upstream.close()
+                    return
+                self._conns += [client, upstream]
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 
     @staticmethod
     def _pipe(src: Any, dst: Any) -> None:
+        import socket
+
         try:
             while data := src.recv(65536):
                 dst.sendall(data)
@@ -110,21 +120,27 @@ class TcpProxy:
         finally:
             for sock in (src, dst):
                 try:
-                    sock.close()
+                    sock.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+                sock.close()
 
     def stop(self) -> None:
         """Refuse new connections and reset every open one (the database 'goes away')."""
         import socket
 
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
-        for sock in self._conns:
+        with self._lock:
+            listener, self._listener = self._listener, None
+            conns, self._conns = self._conns, []
+        if listener is not None:
             try:
-                sock.shutdown(socket.SHUT_RDWR)
-                sock.close()
+                listener.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
             except OSError:
                 pass
-        self._conns = []
+            listener.close()
+        for sock in conns:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()

@@ -185,3 +185,46 @@ def test_production_brokers_round_trip(
     out = celery.send_task("undertow.collect", args=({"run_id": "b"},), queue=queue).get(timeout=60)
     assert out["ingest"]["sessions"] == 0
     assert _jobs(_engine(sched_env))[0].state == "SUCCESS"
+
+
+def test_beat_planning_recalls_what_a_pool_can_no_longer_lend(shared: dict[str, str]) -> None:
+    from scheduler.celery_app import make_celery
+    from scheduler.tasks import leases
+
+    engine = _engine(shared)
+    fleet = FileFleet(Path(shared["UNDERTOW_HOME"]))
+    celery = make_celery(settings_for(shared))
+    assert leases.acquire(engine, "r3", "default", "holder-plan", "training", 60)
+    quiet = celery.send_task("undertow.plan_capacity").get(timeout=60)["plans"][0]
+    assert quiet["lendable"] >= 1 and quiet["recalled"] == []  # 50 rps of 400: room to lend
+    with fleet._edit() as s:
+        s["load_rps"] = 330.0  # the forecast now needs every replica
+    try:
+        busy = celery.send_task("undertow.plan_capacity").get(timeout=60)["plans"][0]
+    finally:
+        with fleet._edit() as s:
+            s["load_rps"] = 50.0
+    assert busy["lendable"] == 0 and busy["recalled"] == ["r3"]
+    assert leases.renew(engine, "r3", "holder-plan", 60).recall_requested
+    assert leases.release(engine, "r3", "holder-plan", event="preempted")
+
+
+def test_jobs_list_cli_shows_the_runs(shared: dict[str, str], tmp_path: Path) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, **shared}
+    out = subprocess.run(
+        [sys.executable, "-m", "scheduler.cli", "jobs", "list", "--json", "--limit", "500"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    jobs = json.loads(out.stdout.strip().splitlines()[-1])["jobs"]
+    assert jobs and {"id", "name", "state", "inputs", "outputs", "duration_s"} <= set(jobs[0])
+    assert any(j["name"] == "undertow.rl_update" and j["state"] == "SUCCESS" for j in jobs)

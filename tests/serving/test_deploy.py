@@ -9,12 +9,13 @@ import time
 
 import httpx
 import pytest
-from serving_helpers import ServerThread
+
 
 from serving import fleet
 from serving.config import DeployConfig, FleetConfig, GatewayConfig
 from serving.deploy import gate, rollout, stage_sizes
 from serving.gateway import Gateway, create_gateway_app, health_loop, registry_source
+from serving.launch import ServerThread
 
 FLEET = FleetConfig(health_interval_s=0.5, health_timeout_s=2.0, unhealthy_after=1)
 

@@ -115,23 +115,26 @@ def test_pause_holds_requests_until_resume(one_engine) -> None:  # type: ignore[
     run(go())
 
 
-def test_corrupt_or_wrong_update_is_refused_and_old_weights_keep_serving(one_engine, versions, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    delta = versions.store / "deltas" / "v0__v1.delta"
+def test_corrupt_or_wrong_update_is_refused_and_old_weights_keep_serving(one_engine, versions) -> None:  # type: ignore[no-untyped-def]
+    delta = versions.store / "versions" / "v1" / "delta.bin"
     good = delta.read_bytes()
 
     async def go():  # type: ignore[no-untyped-def]
         async with EngineClient(one_engine.url) as c:
             before = await c.completions({"prompt": "def", "max_tokens": 4, "seed": 1, "temperature": 0})
-            # Corrupt bytes: refused at decode.
-            delta.write_bytes(good[: len(good) // 2] + bytes(64))
-            await c.prefetch(PrefetchRequest(to_version="v1", from_version="v0", kind="delta"))
-            await c.pause()
-            with pytest.raises(EngineError, match="corrupt|refused"):
-                await c.apply(ApplyRequest(to_version="v1", expected_hash=versions.hashes["v1"]))
-            await c.resume()
-            # A valid delta with the wrong expected hash: refused at verification.
+            # Corrupt bytes (same size): a delta-only pull is refused before anything is staged...
+            delta.write_bytes(good[: len(good) // 2] + bytes(64) + good[len(good) // 2 + 64 :])
+            with pytest.raises(EngineError, match="corrupt"):
+                await c.prefetch(PrefetchRequest(to_version="v1", from_version="v0", kind="delta"))
+            assert (await c.weight_info()).staged is None
+            # ...and an automatic pull routes around it to the verified snapshot.
+            pulled = await c.prefetch(PrefetchRequest(to_version="v1", from_version="v0"))
+            assert pulled["kind"] == "snapshot" and pulled["steps"] == ["full:v1"]
+            await c.discard()
+            # A valid delta with the wrong expected hash: refused at verification, nothing written.
             delta.write_bytes(good)
-            await c.prefetch(PrefetchRequest(to_version="v1", from_version="v0", kind="delta"))
+            pulled = await c.prefetch(PrefetchRequest(to_version="v1", from_version="v0", kind="delta"))
+            assert pulled["kind"] == "delta" and pulled["steps"] == ["delta:v1"]
             await c.pause()
             with pytest.raises(EngineError, match="refused"):
                 await c.apply(ApplyRequest(to_version="v1", expected_hash="0" * 64))
@@ -145,7 +148,8 @@ def test_corrupt_or_wrong_update_is_refused_and_old_weights_keep_serving(one_eng
             with pytest.raises(EngineError) as err:
                 await c.apply(ApplyRequest(to_version="v1", expected_hash=versions.hashes["v1"]))
             assert err.value.status == 409
-            # The real update switches; a chain v1 -> v0 -> back works both ways.
+            # The real update switches; a two-delta chain, then back by the snapshot.
+            await c.prefetch(PrefetchRequest(to_version="v1", from_version="v0"))
             await c.pause()
             info = await c.apply(ApplyRequest(to_version="v1", expected_hash=versions.hashes["v1"]))
             await c.resume()
@@ -155,6 +159,16 @@ def test_corrupt_or_wrong_update_is_refused_and_old_weights_keep_serving(one_eng
             info = await c.apply(ApplyRequest(to_version="v0", expected_hash=versions.hashes["v0"]))
             await c.resume()
             assert info.version == "v0"
+            pulled = await c.prefetch(PrefetchRequest(to_version="v2", kind="delta"))
+            assert pulled["steps"] == ["delta:v1", "delta:v2"]
+            await c.pause()
+            info = await c.apply(ApplyRequest(to_version="v2", expected_hash=versions.hashes["v2"]))
+            await c.resume()
+            assert (info.version, info.hash) == ("v2", versions.hashes["v2"])
+            await c.prefetch(PrefetchRequest(to_version="v0", kind="snapshot"))
+            await c.pause()
+            await c.apply(ApplyRequest(to_version="v0", expected_hash=versions.hashes["v0"]))
+            await c.resume()
             again = await c.completions({"prompt": "def", "max_tokens": 4, "seed": 1, "temperature": 0})
             assert again.choices[0].text == before.choices[0].text
 

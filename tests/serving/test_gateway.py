@@ -9,9 +9,10 @@ import uuid
 
 import httpx
 import pytest
-from serving_helpers import ServerThread
+
 
 from serving.config import GatewayConfig
+from serving.launch import ServerThread
 from serving.gateway import Gateway, create_gateway_app, static_replicas
 from serving.telemetry import TelemetryEmitter
 

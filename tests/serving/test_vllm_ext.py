@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import zstandard
 
 from serving.vllm_ext import UndertowWorkerExtension
 
@@ -67,23 +66,22 @@ def _fused_q(worker: FakeWorker, tensors: dict[str, torch.Tensor]) -> tuple[torc
     return worker.model_runner.model.params[key], expect
 
 
-def test_extension_applies_delta_in_vllm_layout_and_refuses_corruption(versions, monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
-
+def test_extension_applies_delta_in_vllm_layout_and_refuses_corruption(versions, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("UNDERTOW_WEIGHTS_STORE", str(versions.store))
     monkeypatch.setenv("UNDERTOW_WEIGHTS_VERSION", "v0")
     worker = FakeWorker(str(versions.checkpoint), dict(versions.model_tensors["v0"]))
     info = worker.undertow_weight_info()
     assert info == {"version": "v0", "hash": versions.hashes["v0"], "staged": None}
 
-    # Corrupt delta (valid zstd, garbage inside): refused before load_weights touches the model.
-    good = (versions.store / "deltas" / "v0__v1.delta").read_bytes()
-    (versions.store / "deltas" / "v0__v1.delta").write_bytes(zstandard.ZstdCompressor().compress(b"\x08" + bytes(200)))
+    # Corrupt delta (same size, garbage inside): refused before load_weights touches the model.
+    delta = versions.store / "versions" / "v1" / "delta.bin"
+    good = delta.read_bytes()
+    delta.write_bytes(bytes(len(good) // 3) + good[len(good) // 3 :])
     try:
-        worker.undertow_prefetch(to_version="v1", from_version="v0", kind="delta")
         with pytest.raises(ValueError, match="corrupt"):
-            worker.undertow_apply(to_version="v1", expected_hash=versions.hashes["v1"])
+            worker.undertow_prefetch(to_version="v1", from_version="v0", kind="delta")
     finally:
-        (versions.store / "deltas" / "v0__v1.delta").write_bytes(good)
+        delta.write_bytes(good)
     assert worker.model_runner.model.loads == 0
     got, expect = _fused_q(worker, versions.model_tensors["v0"])
     assert torch.equal(got, expect)
@@ -96,13 +94,15 @@ def test_extension_applies_delta_in_vllm_layout_and_refuses_corruption(versions,
 
     # The real delta: only touched tensors are loaded, into the fused layout, and the hash switches.
     pulled = worker.undertow_prefetch(to_version="v1", from_version="v0")
-    assert pulled["kind"] == "delta" and pulled["bytes"] < 1_000_000
+    assert pulled["kind"] == "delta" and 0 < pulled["bytes"] < 1_000_000
     info = worker.undertow_apply(to_version="v1", expected_hash=versions.hashes["v1"])
     assert info["version"] == "v1" and info["hash"] == versions.hashes["v1"]
+    assert 0 < worker.model_runner.model.loads <= len(versions.model_tensors["v1"])
     got, expect = _fused_q(worker, versions.model_tensors["v1"])
-    assert torch.equal(got, expect.to(got.dtype))
-    # And back by the reverse delta (rollback).
-    worker.undertow_prefetch(to_version="v0")
+    assert torch.equal(got, expect)
+    # And back (rollback): a local revert of the touched tensors, no store read.
+    pulled = worker.undertow_prefetch(to_version="v0")
+    assert pulled["kind"] == "undo" and pulled["bytes"] == 0
     assert worker.undertow_apply(to_version="v0", expected_hash=versions.hashes["v0"])["version"] == "v0"
     got, expect = _fused_q(worker, versions.model_tensors["v0"])
     assert torch.equal(got, expect)

@@ -137,7 +137,7 @@ def overview(request: Request, session: SessionDep) -> Response:
     principal = _who(request, session)
     if principal is None:
         return _to_login(request)
-    context = views.overview(session, datetime.now(UTC))
+    context = views.overview(session, request.app.state.settings, datetime.now(UTC))
     return _page(
         request, "overview.html", {"title": "Overview", "active": "/", "principal": principal, **context}, started
     )

@@ -8,8 +8,8 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Depends, HTTPException, Query
 
 from scheduler.api import analytics, sources
-from scheduler.api.deps import SessionDep, ViewerDep
-from scheduler.api.schemas import NAME_PATTERN, Divergence, RewardPoint, RewardSeries, SignalSummary, UtcDateTime
+from scheduler.api.deps import SessionDep, SettingsDep, ViewerDep
+from scheduler.api.schemas import NAME_PATTERN, GuardReport, RewardPoint, RewardSeries, SignalSummary, UtcDateTime
 
 router = APIRouter(prefix="/rewards", tags=["rewards"])
 
@@ -66,11 +66,9 @@ def retention(_: ViewerDep, session: SessionDep, f: FilterDep) -> list[SignalSum
     return [SignalSummary(**r) for r in analytics.retention_curves(analytics.load_outcomes(session, f))]
 
 
-@router.get("/divergence", response_model=list[Divergence], summary="Proxy reward vs real outcome")
-def divergence(_: ViewerDep, session: SessionDep, f: FilterDep) -> list[Divergence]:
-    """Per policy version: mean proxy reward (the promoted reward model's score), mean real outcome
-    (retention at the longest horizon) and whether the reward-hacking guard flags the version."""
-    try:
-        return [Divergence(**d) for d in sources.divergence(session, f)]
-    except sources.Unavailable as exc:
-        raise HTTPException(503, str(exc)) from exc
+@router.get("/divergence", response_model=GuardReport, summary="Proxy reward vs real outcome")
+def divergence(_: ViewerDep, session: SessionDep, settings: SettingsDep) -> GuardReport:
+    """Per policy version (in rollout order): the promoted reward model's mean score (proxy) and the
+    mean final retention (real), and the reward-hacking guard's verdict: flagged when the proxy
+    rose while retention fell beyond the configured thresholds. Uses all stored data."""
+    return GuardReport(**sources.divergence(session, settings))

@@ -1,0 +1,190 @@
+"""Ingest benchmark: the raw kafka-python consume rate next to the full ingest rate, same data, one run.
+
+Data: realistic telemetry from :mod:`ingest.synthetic` (sessions with token ids, logprobs and
+routed experts, K-candidate groups, retention at three horizons, edits, thumbs, switches),
+produced once to a fresh topic on the embedded broker.
+
+- baseline ``raw_events_per_s``: a plain ``KafkaConsumer`` reading every partition from the start
+  and JSON-decoding each value, nothing else;
+- ``ingest_events_per_s``: :class:`ingest.consumer.IngestConsumer` over the same records
+  (consume, validate against the contract, idempotent batched write, offsets stored in the same
+  transaction, Kafka commit), until caught up;
+- latency: a steady stream produced while the consumer runs; from the producer's record
+  timestamp to the commit of the transaction holding the row (p50, p99);
+- ``lost`` / ``duplicated``: produced event ids missing from the database / recorded twice.
+
+Usage: ``python benchmarks/ingest.py --json`` (SQLite); ``--database-url postgresql+psycopg://...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from ingest.config import IngestConfig, KafkaConfig  # noqa: E402
+from ingest.consumer import BatchReport, IngestConsumer  # noqa: E402
+from ingest.db import make_engine, transaction, upgrade  # noqa: E402
+from ingest.embedded import EmbeddedBroker, create_topics  # noqa: E402
+from ingest.producer import TelemetryProducer, event_key  # noqa: E402
+from ingest.schemas import validate_event  # noqa: E402
+from ingest.synthetic import default_trace_path, generate, load_rates  # noqa: E402
+from ingest.tables import DuplicateRow, SessionRow, SignalRow  # noqa: E402
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def encode(events: list[dict]) -> list[tuple[bytes | None, bytes]]:
+    out = []
+    for e in events:
+        out.append((event_key(validate_event(e)), json.dumps(e).encode()))
+    return out
+
+
+def produce(bootstrap: str, topic: str, messages: list[tuple[bytes | None, bytes]], rate: float | None = None) -> None:
+    with TelemetryProducer(bootstrap, topic, linger_ms=20, batch_size=1 << 18) as producer:
+        started = time.monotonic()
+        futures = []
+        for i, (key, value) in enumerate(messages):
+            futures.append(producer.send_raw(value, key=key))
+            if rate:
+                ahead = i / rate - (time.monotonic() - started)
+                if ahead > 0:
+                    time.sleep(ahead)
+        producer.flush()
+        for fut in futures:
+            fut.get(timeout=60)
+
+
+def raw_consume(bootstrap: str, topic: str, expected: int) -> float:
+    """Baseline: consume and JSON-decode every record; returns records per second."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    started = time.perf_counter()
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest")
+    parts = consumer.partitions_for_topic(topic) or set()
+    consumer.assign([TopicPartition(topic, p) for p in parts])
+    n = 0
+    while n < expected:
+        for records in consumer.poll(timeout_ms=200, max_records=500).values():
+            for rec in records:
+                json.loads(rec.value)
+                n += 1
+    elapsed = time.perf_counter() - started
+    consumer.close()
+    return n / elapsed
+
+
+def check(engine: object, event_ids: set[str]) -> tuple[int, int]:
+    """(lost, duplicated) for this run's event ids."""
+    ids = list(event_ids)
+    stored: list[str] = []
+    dupes = 0
+    with transaction(engine) as s:  # type: ignore[arg-type]
+        for i in range(0, len(ids), 500):
+            chunk = ids[i : i + 500]
+            stored += list(s.scalars(SessionRow.__table__.select().with_only_columns(SessionRow.event_id).where(SessionRow.event_id.in_(chunk))))
+            stored += list(s.scalars(SignalRow.__table__.select().with_only_columns(SignalRow.event_id).where(SignalRow.event_id.in_(chunk))))
+            dupes += len(list(s.scalars(DuplicateRow.__table__.select().with_only_columns(DuplicateRow.id).where(DuplicateRow.event_id.in_(chunk)))))
+    lost = len(event_ids - set(stored))
+    return lost, dupes + (len(stored) - len(set(stored)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object last")
+    parser.add_argument("--events", type=int, default=20000, help="events for the rate comparison")
+    parser.add_argument("--latency-events", type=int, default=3000, help="events in the steady stream")
+    parser.add_argument("--latency-rate", type=float, default=1500.0, help="events/s of the steady stream")
+    parser.add_argument("--database-url", default=None, help="default: a fresh SQLite file")
+    parser.add_argument("--seed", type=int, default=None)
+    args = parser.parse_args()
+
+    from scheduler.logs import configure_logging
+
+    configure_logging("WARNING")
+    seed = args.seed if args.seed is not None else int(time.time()) % 100_000
+    tmp = tempfile.TemporaryDirectory()
+    url = args.database_url or f"sqlite:///{Path(tmp.name) / 'bench.db'}"
+    upgrade(url)
+    engine = make_engine(url)
+
+    rates = load_rates(trace) if (trace := default_trace_path()) else None
+    log("generating telemetry ...")
+    events: list[dict] = []
+    n_req = max(1, args.events // 3)
+    while len(events) < args.events + args.latency_events:
+        batch = generate(n_req, seed=seed + len(events), rates=rates, duplicate_share=0.0)
+        events += [it.event for it in batch.items]
+    bulk, stream = events[: args.events], events[args.events : args.events + args.latency_events]
+    bulk_msgs, stream_msgs = encode(bulk), encode(stream)
+    mean_bytes = float(np.mean([len(v) for _, v in bulk_msgs]))
+
+    kafka = KafkaConfig(topic=f"bench-{seed}", dlq_topic=f"bench-{seed}.dlq", group_id=f"bench-{seed}", partitions=4)
+    ingest = IngestConfig(batch_size=1000, poll_timeout_ms=100)
+    with EmbeddedBroker() as broker:
+        create_topics(broker.bootstrap, {kafka.topic: 4, kafka.dlq_topic: 1})
+        log(f"producing {len(bulk_msgs)} events ({mean_bytes:.0f} B each) ...")
+        t0 = time.perf_counter()
+        produce(broker.bootstrap, kafka.topic, bulk_msgs)
+        produce_rate = len(bulk_msgs) / (time.perf_counter() - t0)
+
+        log("baseline: raw consume + JSON decode ...")
+        raw_rate = raw_consume(broker.bootstrap, kafka.topic, len(bulk_msgs))
+
+        log("ingest: consume, validate, write, commit ...")
+        t0 = time.perf_counter()
+        stats = IngestConsumer(engine, broker.bootstrap, kafka, ingest, mode="assign").run(once=True)
+        ingest_rate = stats.records / (time.perf_counter() - t0)
+
+        log(f"latency: {len(stream_msgs)} events at {args.latency_rate:.0f}/s while the consumer runs ...")
+        latencies: list[float] = []
+
+        def on_commit(report: BatchReport) -> None:
+            latencies.extend(report.committed_at * 1000 - ts for ts in report.timestamps_ms)
+
+        consumer = IngestConsumer(engine, broker.bootstrap, kafka, ingest, mode="assign", on_commit=on_commit)
+        thread = threading.Thread(target=consumer.run, kwargs={"max_seconds": 120}, daemon=True)
+        thread.start()
+        time.sleep(1.0)
+        produce(broker.bootstrap, kafka.topic, stream_msgs, rate=args.latency_rate)
+        deadline = time.monotonic() + 60
+        while len(latencies) < len(stream_msgs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        consumer.stop()
+        thread.join(timeout=30)
+
+    lost, duplicated = check(engine, {e["event_id"] for e in bulk + stream})
+    result = {
+        "events": len(bulk_msgs),
+        "database": engine.dialect.name,
+        "mean_event_bytes": round(mean_bytes),
+        "produce_events_per_s": round(produce_rate),
+        "raw_events_per_s": round(raw_rate),
+        "ingest_events_per_s": round(ingest_rate),
+        "ratio": round(ingest_rate / raw_rate, 3),
+        "p50_latency_ms": round(float(np.percentile(latencies, 50)), 1) if latencies else None,
+        "p99_latency_ms": round(float(np.percentile(latencies, 99)), 1) if latencies else None,
+        "latency_events": len(latencies),
+        "lost": lost,
+        "duplicated": duplicated,
+        "note": "2-core machine shared with other work; rates vary with contention",
+    }
+    engine.dispose()
+    tmp.cleanup()
+    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

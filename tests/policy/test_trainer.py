@@ -1,0 +1,164 @@
+"""Trainer: exact replay in the update, determinism, resume after SIGKILL, staleness, sessions, versions."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ingest.arrays import npy_bytes, pack_floats, pack_ids
+from ingest.db import transaction
+from ingest.embedded import free_port
+from ingest.tables import SegmentRow, SessionRow
+from policy.forward import score_tokens
+from policy.model import build_model, save_checkpoint
+from policy.rollouts import Rollout, filter_stale, rollouts_from_sessions, version_number
+from policy.trainer import STATE_FILE, TrainConfig, make_optimizer, train_offline, update_step
+from policy.versions import latest_version, list_versions, record_version
+from policy_workers import small_train_config, synthetic_batch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_update_with_replay_has_zero_train_serve_gap(tiny, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    batch = synthetic_batch(tiny, tokenizer)
+    before = _weights(tiny)
+    cfg = TrainConfig(lr=1e-2)
+    metrics = update_step(tiny, make_optimizer(tiny, cfg), batch, cfg)
+    assert metrics["gap/max_abs_logprob"] == 0.0  # bit-identical to the served logprobs
+    assert metrics["ratio/clip_frac"] == 0.0 and metrics["is/mean_weight"] == 1.0
+    assert not _same(before, _weights(tiny))
+    # the rewarded completions became more likely
+    after = [float(score_tokens(tiny, r.prompt_ids + r.completion_ids, prompt_len=3).logprobs.sum()) for r in batch]
+    served = [float(r.served_logprobs.sum()) for r in batch]  # type: ignore[union-attr]
+    assert all((a > s) == (r.reward > 0.5) for a, s, r in zip(after, served, batch, strict=True))
+
+
+def test_same_seed_gives_bit_identical_weights(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    runs = []
+    for _ in range(2):
+        model = build_model("tiny", len(tokenizer), seed=0)
+        train_offline(model, tokenizer, small_train_config(2))
+        runs.append(_weights(model))
+    assert _same(runs[0], runs[1])
+    assert not _same(runs[0], _weights(build_model("tiny", len(tokenizer), seed=0)))
+
+
+def test_resume_after_sigkill_matches_uninterrupted_run(tokenizer, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    steps = 3
+    reference = build_model("tiny", len(tokenizer), seed=0)
+    train_offline(reference, tokenizer, small_train_config(steps))
+
+    state = tmp_path / "state"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, str(ROOT / "tests" / "policy" / "policy_workers.py"), "resume", str(state), str(steps)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while not (state / STATE_FILE).exists():
+            assert proc.poll() is None, "worker exited before its first checkpoint"
+            assert time.monotonic() < deadline, "worker made no checkpoint in time"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    saved_step = torch.load(state / STATE_FILE, weights_only=False)["step"]
+    assert 1 <= saved_step <= steps
+
+    resumed = build_model("tiny", len(tokenizer), seed=0)
+    summary = train_offline(resumed, tokenizer, small_train_config(steps), state_dir=state)
+    assert summary["train/step"] == steps
+    assert _same(_weights(reference), _weights(resumed))
+
+
+def test_stale_samples_are_dropped_and_counted() -> None:
+    rollouts = [Rollout([0], [1], 1.0, policy_version=v) for v in (10, 9, 7, 5, None, 11)]
+    kept, stats = filter_stale(rollouts, current=10, max_staleness=3)
+    assert [r.policy_version for r in kept] == [10, 9, 7]
+    assert stats.dropped == 3 and stats.unknown == 1 and stats.max == 3 and stats.mean == pytest.approx(4 / 3)
+    assert version_number("v0012") == 12 and version_number("main") is None and version_number(None) is None
+
+
+def _store_session(engine, sid: str, model, prompt: list[int], completion: list[int], version: str) -> None:  # type: ignore[no-untyped-def]
+    scored = score_tokens(model, prompt + completion, prompt_len=len(prompt))
+    now = datetime.now(UTC)
+    with transaction(engine) as db:
+        db.add(
+            SessionRow(
+                session_id=sid, event_id=f"e-{sid}", user_id="u", occurred_at=now, received_at=now, model="tiny",
+                policy_version=version, group_id="g1", candidate_index=0, prompt_text=None,
+                prompt_token_ids=pack_ids(prompt), completion_text="", num_completion_tokens=len(completion),
+                routed_experts=npy_bytes(scored.routed_experts), logprobs_mode="raw", extra={},
+                segments=[
+                    SegmentRow(idx=0, role="assistant", text=None, token_ids=pack_ids(completion),
+                               logprobs=pack_floats(scored.logprobs.astype(np.float64)))
+                ],
+            )
+        )  # fmt: skip
+
+
+def test_rollouts_from_database_sessions_replay_exactly(engine, tiny, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    _store_session(engine, "s1", tiny, [0, 5, 6], [7, 8, 9, 0], "v0003")
+    _store_session(engine, "s2", tiny, [0, 5, 6], [9, 9, 0], "v0003")
+    _store_session(engine, "s3", tiny, [0, 5, 6], [4, 0], "v0003")  # no reward yet
+    rewards = {"s1": 1.0, "s2": 0.0}
+    with transaction(engine) as db:
+        sessions = list(db.query(SessionRow).order_by(SessionRow.session_id))
+        rollouts, dropped = rollouts_from_sessions(
+            sessions, lambda s: rewards.get(s.session_id), max_tokens=64, summary_token_id=2
+        )
+    assert dropped == 0 and [r.session_id for r in rollouts] == ["s1", "s2"]
+    assert all(r.routed_experts is not None and r.policy_version == 3 for r in rollouts)
+    cfg = TrainConfig()
+    kept, stats = filter_stale(rollouts, current=4, max_staleness=cfg.max_staleness)
+    metrics = update_step(tiny, make_optimizer(tiny, cfg), kept, cfg)
+    assert metrics["gap/max_abs_logprob"] == 0.0 and stats.mean == 1.0
+
+
+def test_version_rows_record_lineage(engine, tiny, tokenizer, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    path = save_checkpoint(tiny, tokenizer, tmp_path / "v0000")
+    record_version(engine, version="v0000", parent=None, step=0, checkpoint_path=path, metrics={"eval/keep_rate": 0.3})
+    record_version(
+        engine, version="v0001", parent="v0000", step=8, checkpoint_path=path, metrics={"eval/keep_rate": 0.4},
+        num_samples=96, num_dropped_stale=2, staleness_mean=0.5, staleness_max=1,
+    )  # fmt: skip
+    latest = latest_version(engine)
+    assert latest is not None and latest.version_id == "v0001" and latest.parent_id == "v0000"
+    assert [r.version_id for r in list_versions(engine)] == ["v0000", "v0001"]
+    with pytest.raises(ValueError):
+        record_version(engine, version="v0001", parent=None, step=0, checkpoint_path=path, metrics={})
+    with pytest.raises(FileNotFoundError):
+        record_version(engine, version="v0009", parent=None, step=0, checkpoint_path=tmp_path / "nope", metrics={})
+
+
+@pytest.mark.slow
+def test_two_process_data_parallel_matches_one_process(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    outs = {}
+    for procs in (1, 2):
+        out = tmp_path / f"ddp{procs}.pt"
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs}", f"--master_port={free_port()}",
+            "--master_addr=127.0.0.1", str(ROOT / "tests" / "policy" / "policy_workers.py"), "ddp", str(out),
+        ]  # fmt: skip
+        subprocess.run(cmd, cwd=ROOT, env=env, check=True, timeout=300, capture_output=True)
+        outs[procs] = torch.load(out, weights_only=False)
+    assert outs[2]["loss"] == pytest.approx(outs[1]["loss"], rel=1e-5, abs=1e-7)
+    for k, v in outs[1]["weights"].items():
+        assert torch.allclose(v, outs[2]["weights"][k], atol=1e-6), k
