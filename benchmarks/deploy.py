@@ -1,12 +1,17 @@
-"""Deployment benchmark: roll a new version to 3 CPU engine replicas under loopback load, with
-deltas and with full snapshots (the baseline), and measure the gateway's overhead.
+"""Deployment benchmark: roll a new version to 3 CPU engine replicas under loopback load through
+the gateway, with deltas and with full snapshots (the baseline), and measure the gateway's overhead.
+
+Model: the policy's ``small`` preset (about 7.6M parameters, 15 MB in bf16), stored in the
+project's weight store (``policy.weights``). Each rollout moves the fleet by one training-step-like
+change (4% of the entries of every tensor move): delta rollout v0 -> v1 (each replica pulls the
+delta, decodes it against the weights it serves, verifies every checksum and the version hash,
+then writes the changed tensors in place during a short pause), full rollout v1 -> v2 (each
+replica reads and verifies the whole snapshot, then writes every tensor).
 
 Fields: ``delta_rollout_s``, ``full_rollout_s``, ``speedup`` (full / delta), ``max_pause_ms``
 (longest pause of a replica in the delta rollout), ``failed_requests`` (user requests through
 the gateway that failed during both rollouts), ``gateway_overhead_ms_p50`` (p50 of gateway
-minus direct latency for the same 1-token request). The version step touches a quarter of the
-expert tensors and the attention of every layer, a small fraction of their entries each, as an
-MoE optimizer step with few routed experts would.
+minus direct latency for the same 1-token request), plus the bytes each replica pulled.
 """
 
 from __future__ import annotations
@@ -27,31 +32,32 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def make_store(root: Path) -> tuple[Path, Path, dict[str, str]]:
-    from policy.model import build_model, save_checkpoint
-    from policy.tokenizer import train_tokenizer
-    from serving._devstore import DevStore
+def training_step(tensors: dict[str, torch.Tensor], seed: int, frac: float = 0.04) -> dict[str, torch.Tensor]:
+    """A step-like change: ``frac`` of the entries of each tensor move by a few percent of their size."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in tensors.items():
+        t = t.float()
+        mask = torch.rand(t.shape, generator=gen) < frac
+        out[name] = t + mask * t.abs().clamp_min(1e-3) * 0.05 * torch.randn(t.shape, generator=gen)
+    return out
 
-    tok = train_tokenizer(["def add(a, b):\n    return a + b\n"] * 20, 300)
-    model = build_model("small", len(tok), 0)
-    ckpt = save_checkpoint(model, tok, root / "ckpt")
-    v0 = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    gen = torch.Generator().manual_seed(1)
-    v1 = {}
-    for name, t in v0.items():
-        touched = "self_attn" in name or (".experts." in name and int(torch.randint(0, 4, (1,), generator=gen)) == 0)
-        if touched:
-            mask = torch.rand(t.shape, generator=gen) < 0.04
-            t = t + mask * torch.randn(t.shape, generator=gen) * 1e-3
-        v1[name] = t
-    store = DevStore(root / "store")
-    hashes = {"v0": store.publish_snapshot("v0", v0), "v1": store.publish_snapshot("v1", v1)}
-    store.publish_delta(v0, v1, "v0", "v1")
-    store.publish_delta(v1, v0, "v1", "v0")
-    return ckpt, store.root, hashes
+
+def make_checkpoint(root: Path, preset: str) -> tuple[Path, int]:
+    from policy.model import build_model, num_parameters, save_checkpoint
+    from policy.tokenizer import train_tokenizer
+
+    tok = train_tokenizer(["def add(a, b):\n    return a + b\n", "for x in range(10):\n    print(x)\n"] * 20, 300)
+    model = build_model(preset, len(tok), 0)
+    with torch.no_grad():  # the served bits are bf16 (the store's serving dtype)
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    return save_checkpoint(model, tok, root / "ckpt"), num_parameters(model)
 
 
 class Load:
+    """Closed-loop loopback clients through the gateway; counts failures."""
+
     def __init__(self, url: str, workers: int) -> None:
         self.url, self.ok, self.failed, self.stop = url, 0, 0, threading.Event()
         self.threads = [threading.Thread(target=self.run, daemon=True) for _ in range(workers)]
@@ -59,7 +65,7 @@ class Load:
     def run(self) -> None:
         with httpx.Client(timeout=120) as c:
             while not self.stop.is_set():
-                r = c.post(self.url + "/v1/completions", json={"prompt": "def add", "max_tokens": 4})
+                r = c.post(self.url + "/v1/completions", json={"prompt": "def add", "max_tokens": 2})
                 if r.status_code == 200:
                     self.ok += 1
                 else:
@@ -79,41 +85,51 @@ class Load:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
-    parser.add_argument("--workers", type=int, default=3, help="concurrent load clients")
+    parser.add_argument("--workers", type=int, default=2, help="concurrent load clients")
+    parser.add_argument("--preset", default="small", help="policy preset of the served model")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    started = time.perf_counter()
+
+    from safetensors.torch import load_file
 
     from ingest.db import make_engine, upgrade
+    from policy.config import WeightsConfig
+    from policy.weights import WeightStore
     from serving import fleet
     from serving.config import DeployConfig, FleetConfig, GatewayConfig
     from serving.deploy import rollout
     from serving.gateway import Gateway, create_gateway_app, registry_source
-    from serving.launch import start_engines
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "serving"))
-    from serving_helpers import ServerThread
+    from serving.launch import EngineProcess, ServerThread
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        ckpt, store, hashes = make_store(root)
-        procs = start_engines(ckpt, 3, store=store)
+        ckpt, n_params = make_checkpoint(root, args.preset)
+        store = WeightStore(root / "store", WeightsConfig(zstd_level=3))
+        hashes = {"v0": store.put(ckpt, version="v0", full=True).version_hash}
+        # Replicas boot (in parallel) while the next versions are published.
+        procs = [EngineProcess(ckpt, "v0", root / "store").start() for _ in range(3)]
         try:
+            current = load_file(str(ckpt / "model.safetensors"))
+            for i in (1, 2):
+                current = training_step(current, seed=i)
+                hashes[f"v{i}"] = store.put(current, version=f"v{i}", full=True).version_hash
+            for p in procs:
+                p.wait_ready()
             url = f"sqlite:///{root / 'db.sqlite'}"
             upgrade(url)
             db = make_engine(url)
-            fcfg = FleetConfig(unhealthy_after=1)
             for i, p in enumerate(procs):
                 fleet.register_replica(db, f"r{i}", p.url)
             fleet.set_target(db, "v0", hashes["v0"])
-            asyncio.run(fleet.check_fleet(db, fcfg))
+            asyncio.run(fleet.check_fleet(db, FleetConfig(unhealthy_after=1)))
             gw = Gateway(registry_source(db, "default", 0.2), None, GatewayConfig(), "undertow-policy")
             cfg = DeployConfig(canary_replicas=1, stages=[0.5, 1.0])
             with ServerThread(create_gateway_app(gw)) as srv:
-                # Gateway overhead: the same 1-token request direct and through the gateway.
                 body = {"prompt": "def", "max_tokens": 1, "temperature": 0}
                 direct, via = [], []
                 with httpx.Client(timeout=60) as c:
-                    for _ in range(30):
+                    for _ in range(20):
                         t0 = time.perf_counter()
                         c.post(procs[0].url + "/v1/completions", json=body)
                         direct.append((time.perf_counter() - t0) * 1000)
@@ -122,13 +138,14 @@ def main() -> None:
                         via.append((time.perf_counter() - t0) * 1000)
                 overhead = statistics.median(via) - statistics.median(direct)
                 with Load(srv.url, args.workers) as load:
-                    time.sleep(0.5)
-                    delta = asyncio.run(rollout(db, "v1", hashes["v1"], cfg, kind="delta"))
-                    full = asyncio.run(rollout(db, "v0", hashes["v0"], cfg, kind="snapshot"))
                     time.sleep(0.3)
+                    delta = asyncio.run(rollout(db, "v1", hashes["v1"], cfg, kind="delta"))
+                    full = asyncio.run(rollout(db, "v2", hashes["v2"], cfg, kind="snapshot"))
+                    time.sleep(0.2)
         finally:
             for p in procs:
                 p.kill()
+        manifests = {m.version: m for m in store.manifests()}
     result = {
         "delta_rollout_s": round(delta.seconds, 3),
         "full_rollout_s": round(full.seconds, 3),
@@ -137,10 +154,14 @@ def main() -> None:
         "max_pause_ms_full": round(max(full.pause_ms.values()), 1),
         "delta_bytes_per_replica": max(delta.pulled_bytes.values()),
         "snapshot_bytes_per_replica": max(full.pulled_bytes.values()),
+        "bytes_ratio": round(manifests["v2"].full.bytes / manifests["v1"].delta.bytes, 1),  # type: ignore[union-attr]
         "failed_requests": load.failed,
         "served_requests": load.ok,
         "gateway_overhead_ms_p50": round(overhead, 2),
         "statuses": [delta.status, full.status],
+        "model": f"{args.preset} preset, {n_params} parameters, bf16 in the store",
+        "store": "local filesystem (no network between store and replicas)",
+        "total_s": round(time.perf_counter() - started, 1),
         "note": "3 CPU engine replicas on a shared 2-core machine under concurrent load; numbers are noisy",
     }
     print(json.dumps(result))

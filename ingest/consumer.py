@@ -103,6 +103,7 @@ class IngestConsumer:
         self._consumer: Any = None
         self._dlq: Any = None
         self._cluster: str | None = None
+        self._committed: dict[tuple[str, int], int] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -206,8 +207,10 @@ class IngestConsumer:
         log.info("ingest.assigned", partitions=[tp.partition for tp in tps], stored=stored, cluster=self._cluster)
 
     def close(self) -> None:
-        """Close the Kafka clients (nothing is committed here: batches commit as they finish)."""
+        """Close the Kafka clients; the database already holds every batch, Kafka gets a final sync commit."""
         if self._consumer is not None:
+            if self._committed:
+                self._commit_kafka(dict(self._committed), final=True)
             self._consumer.close(autocommit=False)
             self._consumer = None
         if self._dlq is not None:
@@ -338,17 +341,25 @@ class IngestConsumer:
                     return None
                 delay = min(delay * 2, self.cfg.retry_max_s)
 
-    def _commit_kafka(self, offsets: dict[tuple[str, int], int]) -> None:
+    def _commit_kafka(self, offsets: dict[tuple[str, int], int], final: bool = False) -> None:
         """Mirror the stored offsets to Kafka's group offsets (best effort: the database is the truth)."""
         from kafka import OffsetAndMetadata, TopicPartition
         from kafka.errors import KafkaError
 
+        self._committed.update(offsets)
+        commit = {TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in offsets.items()}
         try:
-            self._consumer.commit(
-                {TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in offsets.items()}
-            )
+            if final:
+                self._consumer.commit(commit)
+            else:
+                self._consumer.commit_async(commit, callback=_log_commit_failure)
         except KafkaError as exc:
             log.warning("ingest.kafka_commit_failed", error=str(exc)[:200])
+
+
+def _log_commit_failure(offsets: Any, response: Any) -> None:
+    if isinstance(response, Exception):
+        log.warning("ingest.kafka_commit_failed", error=str(response)[:200])
 
 
 def _dlq_headers(dl: DeadLetter) -> list[tuple[str, bytes]]:

@@ -19,7 +19,6 @@ import base64
 import binascii
 import io
 import json
-import math
 import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
@@ -30,6 +29,7 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    PrivateAttr,
     Field,
     StringConstraints,
     TypeAdapter,
@@ -134,7 +134,7 @@ class Segment(_Open):
     role: Literal["system", "user", "assistant", "tool"]
     text: str | None = None
     token_ids: list[TokenId] | None = None
-    logprobs: list[float] | None = None
+    logprobs: list[Annotated[float, Field(allow_inf_nan=False)]] | None = None
 
     @model_validator(mode="after")
     def _logprobs(self) -> Segment:
@@ -142,8 +142,6 @@ class Segment(_Open):
             return self
         if self.role != "assistant":
             raise PydanticCustomError("logprobs_role", "logprobs are only allowed on assistant segments")
-        if any(math.isnan(x) for x in self.logprobs):
-            raise PydanticCustomError("logprobs_nan", "logprobs must not be NaN")
         n_ids = len(self.token_ids) if self.token_ids is not None else 0
         if len(self.logprobs) != n_ids:
             raise PydanticCustomError(
@@ -216,18 +214,21 @@ class SessionCompletedPayload(_Open):
     latency_ms: float | None = Field(default=None, ge=0)
     files: list[FileChange] | None = None
 
-    @field_validator("routed_experts")
-    @classmethod
-    def _experts(cls, value: str | None) -> str | None:
-        if value is not None:
-            routed_experts_npy(value)
-        return value
+    _experts_npy: bytes | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
-    def _group(self) -> SessionCompletedPayload:
+    def _check(self) -> SessionCompletedPayload:
         if self.candidate_index is not None and self.group_id is None:
             raise PydanticCustomError("candidate_group", "candidate_index needs group_id")
+        if self.routed_experts is not None:
+            self._experts_npy = routed_experts_npy(self.routed_experts)
         return self
+
+    def experts_npy(self) -> bytes | None:
+        """The raw ``.npy`` bytes of ``routed_experts`` (decoded once, at validation)."""
+        if self.routed_experts is not None and self._experts_npy is None:
+            self._experts_npy = routed_experts_npy(self.routed_experts)
+        return self._experts_npy
 
 
 class CandidatesShownPayload(_Open):

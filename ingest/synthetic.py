@@ -131,20 +131,25 @@ def generate(
     late_session_share: float = 0.05,
     with_experts: bool = True,
     horizons: tuple[int, ...] = HORIZONS_S,
+    id_prefix: str = "",
 ) -> SyntheticTelemetry:
-    """Telemetry of ``n_requests`` user requests (a group of K candidates counts as one request)."""
+    """Telemetry of ``n_requests`` user requests (a group of K candidates counts as one request).
+
+    ``id_prefix`` namespaces every id (events, sessions, groups, users), so two runs with the
+    same seed can share a database without being duplicates of each other.
+    """
     rng = np.random.default_rng(seed)
     rates = rates if rates is not None else np.ones(144)
     start = start or datetime(2025, 1, 6, tzinfo=UTC)
     arrivals = arrival_times(n_requests, rates, span_s, rng)
     n_users = max(1, n_requests // 8)
-    users = [f"user-{seed}-{i}" for i in range(n_users)]
+    users = [f"{id_prefix}user-{seed}-{i}" for i in range(n_users)]
     user_skill = rng.normal(0.0, 0.5, n_users)
     items: list[SyntheticItem] = []
     quality: dict[str, float] = {}
 
     def eid() -> str:
-        return str(uuid.UUID(int=int(rng.integers(0, 2**63)) << 64 | int(rng.integers(0, 2**63)), version=4))
+        return id_prefix + str(uuid.UUID(int=int(rng.integers(0, 2**63)) << 64 | int(rng.integers(0, 2**63)), version=4))
 
     def envelope(kind: str, at: float, session_id: str | None, user: str, payload: dict[str, Any]) -> dict[str, Any]:
         env: dict[str, Any] = {
@@ -166,10 +171,10 @@ def generate(
         u = int(rng.integers(0, n_users))
         user = users[u]
         k = int(rng.integers(2, 5)) if rng.random() < group_share else 1
-        group_id = f"group-{seed}-{r}" if k > 1 else None
+        group_id = f"{id_prefix}group-{seed}-{r}" if k > 1 else None
         task, code = _TASKS[int(rng.integers(0, len(_TASKS)))]
         model = _MODELS[0] if rng.random() < 0.8 else _MODELS[int(rng.integers(1, len(_MODELS)))]
-        session_ids = [f"sess-{seed}-{r}-{c}" for c in range(k)]
+        session_ids = [f"{id_prefix}sess-{seed}-{r}-{c}" for c in range(k)]
         qualities = [float(1 / (1 + np.exp(-(rng.normal(0.3, 1.2) + user_skill[u])))) for _ in range(k)]
         for c, (sid, q) in enumerate(zip(session_ids, qualities, strict=True)):
             quality[sid] = q
@@ -215,7 +220,7 @@ def generate(
         decided_at = t0 + 5 + float(rng.exponential(30.0))
         accepted = rng.random() < q
         emit(decided_at, envelope("edit.accepted" if accepted else "edit.rejected", decided_at, sid, user,
-                                  {"edit_id": f"edit-{seed}-{r}", "lines": lines}))
+                                  {"edit_id": f"{id_prefix}edit-{seed}-{r}", "lines": lines}))
         if accepted:
             kept = lines
             for h in horizons:

@@ -15,12 +15,14 @@ duplicate here. The consumer calls :func:`write_events`, :func:`write_dead_lette
 
 from __future__ import annotations
 
+import json
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Table, select, union_all
+from sqlalchemy import JSON, DateTime, Table, select, union_all
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -74,6 +76,81 @@ def _insert(session: Session, table: Table) -> Any:
     raise RuntimeError(f"Unsupported database dialect {name!r}: use SQLite or PostgreSQL.")
 
 
+def _sqlite_converters(table: Table, cols: list[str]) -> list[Any]:
+    """Per column, how SQLAlchemy's SQLite types store a value: naive UTC text, JSON text, as is."""
+    out: list[Any] = []
+    for name in cols:
+        kind = table.c[name].type
+        if isinstance(kind, DateTime):
+            memo: dict[datetime, str] = {}
+
+            def as_text(value: datetime | None, memo: dict[datetime, str] = memo) -> str | None:
+                if value is None:
+                    return None
+                text = memo.get(value)
+                if text is None:
+                    text = memo[value] = value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
+                return text
+
+            out.append(as_text)
+        elif isinstance(kind, JSON):
+            out.append(json.dumps)
+        else:
+            out.append(None)
+    return out
+
+
+def _sqlite_executemany(session: Session, table: Table, rows: list[dict[str, Any]], verb: str) -> int:
+    """Insert through the driver in the session's transaction (SQLAlchemy's per-row work is the cost)."""
+    cols = list(rows[0])
+    convert = _sqlite_converters(table, cols)
+    get = operator.itemgetter(*cols)
+    if all(f is None for f in convert):
+        params = [get(row) for row in rows]
+    else:
+        params = [tuple(v if f is None else f(v) for v, f in zip(get(row), convert, strict=True)) for row in rows]
+    names = ", ".join(f'"{c}"' for c in cols)
+    marks = ", ".join("?" * len(cols))
+    cursor = session.connection().connection.driver_connection.cursor()  # type: ignore[union-attr]
+    try:
+        cursor.executemany(f'{verb} INTO "{table.name}" ({names}) VALUES ({marks})', params)
+        return int(cursor.rowcount)
+    finally:
+        cursor.close()
+
+
+def _insert_all(session: Session, table: Table, rows: list[dict[str, Any]]) -> None:
+    """Plain batched insert."""
+    if session.get_bind().dialect.name == "sqlite":
+        _sqlite_executemany(session, table, rows, "INSERT")
+    else:
+        session.execute(table.insert(), rows)
+
+
+def _insert_new(session: Session, table: Table, rows: list[dict[str, Any]], received_at: datetime) -> set[str]:
+    """Insert rows whose keys may already exist; returns the ``event_id`` of the rows inserted.
+
+    PostgreSQL: ``ON CONFLICT DO NOTHING RETURNING``. SQLite: ``INSERT OR IGNORE`` through the
+    driver; in WAL mode a writer that committed since this transaction's pre-select makes the
+    insert fail with "database is locked" (the consumer retries), so conflicts are rare; if some
+    rows were skipped anyway, the rows stamped with this batch's ``received_at`` are ours.
+    """
+    if session.get_bind().dialect.name != "sqlite":
+        stmt = _insert(session, table).on_conflict_do_nothing().returning(table.c.event_id)
+        return set(session.execute(stmt, rows).scalars())
+    count = _sqlite_executemany(session, table, rows, "INSERT OR IGNORE")
+    keys = {row["event_id"] for row in rows}
+    if count == len(rows):
+        return keys
+    ours: set[str] = set()
+    ids = list(keys)
+    for start in range(0, len(ids), _CHUNK):
+        chunk = ids[start : start + _CHUNK]
+        query = select(table.c.event_id, table.c.received_at).where(table.c.event_id.in_(chunk))
+        ours.update(eid for eid, at in session.execute(query) if at == received_at.replace(tzinfo=None))
+    return ours
+
+
 def _utc(ts: datetime) -> datetime:
     return ts.astimezone(UTC)
 
@@ -125,7 +202,7 @@ def session_rows(event: schemas.SessionCompleted, received_at: datetime) -> tupl
     if p.sampling is not None:
         extra["sampling"] = p.sampling.model_dump(mode="json", exclude_none=True)
     if p.files is not None:
-        extra["files"] = [f.model_dump(mode="json") for f in p.files]
+        extra["files"] = [{"path": f.path, "lines_added": f.lines_added, "lines_removed": f.lines_removed, **(f.model_extra or {})} for f in p.files]
     if p.prompt.model_extra:
         extra["prompt_extra"] = dict(p.prompt.model_extra)
     if any(s.model_extra for s in p.segments):
@@ -144,7 +221,7 @@ def session_rows(event: schemas.SessionCompleted, received_at: datetime) -> tupl
         "prompt_token_ids": pack_ids(p.prompt.token_ids),
         "completion_text": "".join(s.text or "" for s in assistant),
         "num_completion_tokens": sum(len(s.token_ids or ()) for s in assistant),
-        "routed_experts": schemas.routed_experts_npy(p.routed_experts) if p.routed_experts else None,
+        "routed_experts": p.experts_npy(),
         "logprobs_mode": (p.sampling.logprobs_mode if p.sampling and p.sampling.logprobs_mode else "raw"),
         "finish_reason": p.finish_reason,
         "latency_ms": p.latency_ms,
@@ -214,19 +291,18 @@ def write_events(
     signals.sort(key=lambda r: r["event_id"])
     inserted: set[str] = set()
     if sessions:
-        stmt = _insert(session, SessionRow.__table__).on_conflict_do_nothing().returning(SessionRow.event_id)
-        inserted.update(session.execute(stmt, sessions).scalars())
+        inserted |= _insert_new(session, SessionRow.__table__, sessions, received_at)
         seg_rows = [seg for row in sessions if row["event_id"] in inserted for seg in segments[row["session_id"]]]
         if seg_rows:
-            session.execute(SegmentRow.__table__.insert(), seg_rows)
+            _insert_all(session, SegmentRow.__table__, seg_rows)
     if signals:
-        stmt = _insert(session, SignalRow.__table__).on_conflict_do_nothing().returning(SignalRow.event_id)
-        inserted.update(session.execute(stmt, signals).scalars())
+        inserted |= _insert_new(session, SignalRow.__table__, signals, received_at)
     dupes.extend(d for eid, d in fresh.items() if eid not in inserted)
 
     if dupes:
-        session.execute(
-            DuplicateRow.__table__.insert(),
+        _insert_all(
+            session,
+            DuplicateRow.__table__,
             [
                 {
                     "event_id": d.event.event_id,

@@ -84,7 +84,9 @@ def summarize(tasks: list[Task], results: list[list[CheckResult]]) -> dict[str, 
     return metrics
 
 
-def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: EvalConfig | None = None) -> dict[str, float]:
+def evaluate(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: EvalConfig | None = None
+) -> dict[str, float]:
     """Pass-and-keep rate of ``model`` on the held-out evaluation set."""
     cfg = cfg or EvalConfig()
     tasks = heldout_eval_set(cfg.per_tier)

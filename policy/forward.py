@@ -35,6 +35,7 @@ import threading
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -89,7 +90,7 @@ class _Routing:
     indices: list[torch.Tensor] = field(default_factory=list)
 
 
-def _router_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _router_forward(self: Any, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Drop-in for transformers' ``*TopKRouter.forward`` with capture and replay."""
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
     router_logits = F.linear(hidden_states, self.weight)
@@ -111,7 +112,7 @@ def _router_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> tuple
     return router_logits, top_value, top_index
 
 
-def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+def routers(model: torch.nn.Module) -> list[Any]:
     """The MoE router modules of ``model`` in layer order."""
     return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
 

@@ -132,7 +132,9 @@ def _tier2() -> list[dict[str, Any]]:
         for pword, pred in PREDICATES:
             spec = f"return a list of {tword}the numbers in xs {pword}"
             expr = f"[{texpr} for x in xs if {pred}]"
-            verbose = _body(["out = []", "for x in xs:", f"    if {pred}:", f"        out.append({texpr})", "return out"])
+            verbose = _body(
+                ["out = []", "for x in xs:", f"    if {pred}:", f"        out.append({texpr})", "return out"]
+            )
             wrong = [f"[{texpr} for x in xs if {w}]" for w in _wrong_predicates(pred)]
             wrong.append(f"[{texpr} for x in xs]")
             out.append(dict(tier=2, spec=spec, sig="def f(xs):", expr=expr, verbose=verbose, wrong=wrong))
@@ -160,12 +162,12 @@ def _tier3() -> list[dict[str, Any]]:
                 wrong += [f"{agg}((x for x in xs if {w}), default={d})" for w in _wrong_predicates(pred)]
                 out.append(dict(tier=3, spec=spec, sig="def f(xs):", expr=expr, verbose=verbose, wrong=wrong))
     for pword, pred in PREDICATES:
-        for d in (-1, 0, 10, None):
-            spec = f"return the first number in xs {pword.removeprefix('that are ')}, or {d} if there is none"
-            expr = f"next((x for x in xs if {pred}), {d})"
-            verbose = _body(["for x in xs:", f"    if {pred}:", "        return x", f"return {d}"])
-            wrong = [f"next(x for x in xs if {pred})", f"next((x for x in xs), {d})"]
-            wrong += [f"next((x for x in xs if {w}), {d})" for w in _wrong_predicates(pred)]
+        for default in (-1, 0, 10, None):
+            spec = f"return the first number in xs {pword.removeprefix('that are ')}, or {default} if there is none"
+            expr = f"next((x for x in xs if {pred}), {default})"
+            verbose = _body(["for x in xs:", f"    if {pred}:", "        return x", f"return {default}"])
+            wrong = [f"next(x for x in xs if {pred})", f"next((x for x in xs), {default})"]
+            wrong += [f"next((x for x in xs if {w}), {default})" for w in _wrong_predicates(pred)]
             out.append(dict(tier=3, spec=spec, sig="def f(xs):", expr=expr, verbose=verbose, wrong=wrong))
     return out
 

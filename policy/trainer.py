@@ -174,7 +174,9 @@ def make_optimizer(model: PreTrainedModel, cfg: TrainConfig) -> torch.optim.Opti
     return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=False)
 
 
-def save_state(path: Path, model: PreTrainedModel, opt: torch.optim.Optimizer, step: int, extra: dict[str, Any]) -> None:
+def save_state(
+    path: Path, model: PreTrainedModel, opt: torch.optim.Optimizer, step: int, extra: dict[str, Any]
+) -> None:
     """Write the resumable trainer state atomically (temporary file, then rename)."""
     path.mkdir(parents=True, exist_ok=True)
     tmp = path / (STATE_FILE + ".tmp")

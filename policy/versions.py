@@ -27,9 +27,7 @@ def version_id(number: int) -> str:
 def latest_version(engine: Engine) -> PolicyVersionRow | None:
     """The newest version row (by creation time, then id), or None."""
     with transaction(engine) as db:
-        stmt = select(PolicyVersionRow).order_by(
-            PolicyVersionRow.created_at.desc(), PolicyVersionRow.version_id.desc()
-        )
+        stmt = select(PolicyVersionRow).order_by(PolicyVersionRow.created_at.desc(), PolicyVersionRow.version_id.desc())
         row = db.scalars(stmt.limit(1)).first()
         if row is not None:
             db.expunge(row)

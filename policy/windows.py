@@ -7,9 +7,10 @@ prompt plus that summary. The trainer mirrors it: a session becomes windows, eac
 holds exactly what the model saw and wrote at that time. Each window is credited with the
 session's outcome, so summaries are trained by the same reward as the code they led to.
 
-Only assistant tokens are trained (``loss_mask``); user and tool tokens are context. A window longer than ``max_tokens`` is dropped and
-counted (truncating it would train on a context the model never saw). Windows are never
-merged across a summary: after compaction the model saw only ``prompt + summary``.
+Only assistant tokens are trained (``loss_mask``); user and tool tokens are context. A window
+longer than ``max_tokens`` is dropped and counted (truncating it would train on a context the
+model never saw). Windows are never merged across a summary: after compaction the model saw
+only ``prompt + summary``.
 """
 
 from __future__ import annotations

@@ -50,6 +50,8 @@ class PolicyResult:
     slo_violation_intervals: int = 0
     preempt_latencies_s: list[float] = field(default_factory=list)
     deadline_misses: int = 0
+    violated: list[int] = field(default_factory=list)
+    """Indices of the windows that violated the SLO through borrowing."""
 
     def merge(self, other: PolicyResult) -> None:
         self.harvested_replica_s += other.harvested_replica_s
@@ -58,6 +60,7 @@ class PolicyResult:
         self.slo_violation_intervals += other.slo_violation_intervals
         self.preempt_latencies_s += other.preempt_latencies_s
         self.deadline_misses += other.deadline_misses
+        self.violated += other.violated
 
 
 @dataclass(frozen=True)
@@ -229,6 +232,8 @@ def replay(
                     arrivals.append((t0 + tau + _recall(lent, j, t0 + tau, timings, cfg, rng, res), 1))
                 arrivals.sort()
         res.slo_violation_windows += violated
+        if violated:
+            res.violated.append(w)
         prev_gen_share = gen / target if target else 0.0
         used = sum(max(0.0, u - f) for f, u in zip(usable_from, until, strict=True))
         res.harvested_replica_s += used

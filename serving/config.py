@@ -81,6 +81,8 @@ class DeployConfig(BaseModel):
     """Largest allowed drop of the acceptance proxy (accepts over accepts plus rejects)."""
     pause_timeout_s: float = Field(default=60.0, gt=0)
     """Longest a replica may take to drain in-flight requests when paused."""
+    stale_after_s: float = Field(default=120.0, gt=0)
+    """A running deployment whose deployer has not beaten for this long crashed: it is failed and reconciled."""
 
 
 class ServingConfig(BaseModel):

@@ -25,12 +25,13 @@ from datetime import UTC, datetime
 from typing import Any
 
 import structlog
+from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
 from ingest.db import transaction
 from serving import fleet
 from serving.client import EngineClient, EngineError
-from serving.config import DeployConfig
+from serving.config import DeployConfig, FleetConfig
 from serving.protocol import PrefetchRequest
 from serving.tables import DeploymentRow, DeploymentStageRow
 
@@ -66,9 +67,10 @@ def gate(new: dict[str, Any] | None, old: dict[str, Any] | None, config: DeployC
     (compared only when both versions have judged sessions).
     """
     if not new or new.get("requests", 0) < config.gate_min_requests:
+        served = 0 if not new else new.get("requests", 0)
         return (
             False,
-            f"the new version served {0 if not new else new.get('requests', 0)} requests, fewer than the minimum sample of {config.gate_min_requests}",
+            f"the new version served {served} requests, fewer than the minimum sample of {config.gate_min_requests}",
         )
     old = old or {}
     rise = new["error_rate"] - old.get("error_rate", 0.0)
@@ -97,11 +99,20 @@ def stage_sizes(n: int, config: DeployConfig) -> list[int]:
     return sizes
 
 
+def _beat(db: Engine, dep_id: int) -> None:
+    """Record that the deployer is alive (see :func:`serving.fleet.recover_stale`)."""
+    with transaction(db) as s:
+        row = s.get(DeploymentRow, dep_id)
+        if row is not None:
+            row.heartbeat_at = _now()
+
+
 async def _wait_gate(
-    metrics: MetricsSource, new_v: str, old_v: str, config: DeployConfig
+    metrics: MetricsSource, new_v: str, old_v: str, config: DeployConfig, beat: Callable[[], None]
 ) -> tuple[bool, str, dict[str, Any]]:
     deadline = time.monotonic() + config.gate_max_wait_s
     while True:
+        beat()
         snap = (await metrics()).get("versions", {})
         new, old = snap.get(new_v), snap.get(old_v)
         if (new and new.get("requests", 0) >= config.gate_min_requests) or time.monotonic() > deadline:
@@ -111,14 +122,26 @@ async def _wait_gate(
 
 
 async def _move(
-    db: Engine, rep: fleet.Replica, version: str, weights_hash: str, kind: str, config: DeployConfig
+    db: Engine,
+    rep: fleet.Replica,
+    version: str,
+    weights_hash: str,
+    kind: str,
+    config: DeployConfig,
+    pulled: dict[str, Any] | None = None,
 ) -> tuple[int, float]:
-    """Update one replica (already prefetched or not); returns (bytes pulled, pause ms)."""
+    """Update one replica (``pulled``: already prefetched); returns (bytes pulled, pause ms)."""
     fleet.set_state(db, rep.id, "updating")
     try:
         async with EngineClient(rep.url) as client:
             pulled, pause_ms = await fleet.update_replica(
-                client, version, weights_hash, from_version=None, kind=kind, pause_timeout_s=config.pause_timeout_s
+                client,
+                version,
+                weights_hash,
+                from_version=None,
+                kind=kind,
+                pause_timeout_s=config.pause_timeout_s,
+                pulled=pulled,
             )
         fleet.record_weights(db, rep.id, version, weights_hash)
         return int(pulled.get("bytes", 0)), pause_ms  # type: ignore[call-overload]
@@ -135,9 +158,24 @@ async def rollout(
     pool: str = "default",
     kind: str = "auto",
     metrics: MetricsSource | None = None,
+    fleet_config: FleetConfig | None = None,
 ) -> RolloutResult:
     """Roll ``to_version`` out over ``pool`` (see module docstring); never raises for a failed stage."""
     start = time.perf_counter()
+    if fleet.recover_stale(db, config.stale_after_s, pool):
+        # A crashed deployer left replicas on its version: bring them back to the target first.
+        await fleet.check_fleet(db, fleet_config or FleetConfig(), pool)
+        await fleet.reconcile(db, fleet_config or FleetConfig(), pool, config.pause_timeout_s)
+        await fleet.check_fleet(db, fleet_config or FleetConfig(), pool)
+    with transaction(db) as s:
+        busy = s.scalars(
+            select(DeploymentRow).where(DeploymentRow.pool == pool, DeploymentRow.status == "running")
+        ).first()
+        if busy is not None:
+            raise ValueError(
+                f"deployment {busy.id} ({busy.from_version} -> {busy.to_version}) is still running on pool {pool!r}; "
+                f"wait for it (it is failed automatically {config.stale_after_s:.0f}s after its deployer stops)"
+            )
     target = fleet.get_target(db, pool)
     if target is None:
         raise ValueError(f"pool {pool!r} has no target version; set one with `undertow fleet target VERSION HASH`")
@@ -155,6 +193,7 @@ async def rollout(
             status="running",
             message="",
             started_at=_now(),
+            heartbeat_at=_now(),
         )
         s.add(row)
         s.flush()
@@ -171,21 +210,25 @@ async def rollout(
         current = "prefetch"
 
         # Pull to every replica of the stage before any of them pauses.
-        async def pull(rep: fleet.Replica) -> None:
+        async def pull(rep: fleet.Replica) -> dict[str, Any]:
             async with EngineClient(rep.url) as client:
-                await client.prefetch(PrefetchRequest(to_version=to_version, from_version=rep.version, kind=kind))  # type: ignore[arg-type]
+                return await client.prefetch(
+                    PrefetchRequest(to_version=to_version, from_version=rep.version, kind=kind)  # type: ignore[arg-type]
+                )
 
+        _beat(db, dep_id)
         try:
-            await asyncio.gather(*(pull(r) for r in batch))
-            for rep in batch:
+            pulls = await asyncio.gather(*(pull(r) for r in batch))
+            for rep, pulled in zip(batch, pulls, strict=True):
                 current = rep.id
-                nbytes, pause_ms = await _move(db, rep, to_version, to_hash, kind, config)
+                nbytes, pause_ms = await _move(db, rep, to_version, to_hash, kind, config, pulled)
                 updated.append(rep)
+                _beat(db, dep_id)
                 result.pause_ms[rep.id], result.pulled_bytes[rep.id] = pause_ms, nbytes
         except EngineError as exc:
             stage["outcome"], failure = "error", f"{name}: update of {current} failed: {exc.message}"
         if not failure and metrics is not None:
-            ok, why, observed = await _wait_gate(metrics, to_version, old_version, config)
+            ok, why, observed = await _wait_gate(metrics, to_version, old_version, config, lambda: _beat(db, dep_id))
             stage["metrics"] = observed
             if not ok:
                 stage["outcome"], failure = "failed", f"{name}: gate failed: {why}"

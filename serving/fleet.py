@@ -16,17 +16,18 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import structlog
-from sqlalchemy import select
+from sqlalchemy import inspect, select
 from sqlalchemy.engine import Engine
 
 from ingest.db import transaction
 from serving.client import EngineClient, EngineError
 from serving.config import FleetConfig
 from serving.protocol import ApplyRequest, PrefetchRequest
-from serving.tables import REPLICA_STATES, ReplicaRow, TargetRow
+from serving.tables import REPLICA_STATES, DeploymentRow, ReplicaRow, TargetRow
 
 log = structlog.get_logger(__name__)
 
@@ -142,8 +143,6 @@ def judge(version: str | None, weights_hash: str | None, accepted: dict[str, str
 
 def accepted_versions(engine: Engine, pool: str) -> dict[str, str] | None:
     """The pool's target and the version of a running deployment (its replicas are not behind)."""
-    from serving.tables import DeploymentRow
-
     target = get_target(engine, pool)
     if target is None:
         return None
@@ -154,8 +153,74 @@ def accepted_versions(engine: Engine, pool: str) -> dict[str, str] | None:
     return accepted
 
 
-async def check_fleet(engine: Engine, config: FleetConfig, pool: str | None = None) -> list[Replica]:
-    """Check every replica once (concurrently) and record the results."""
+def _aware(ts: datetime) -> datetime:
+    return ts if ts.tzinfo else ts.replace(tzinfo=UTC)  # SQLite returns naive timestamps
+
+
+def recover_stale(engine: Engine, stale_after_s: float, pool: str | None = None) -> list[int]:
+    """Fail deployments left ``running`` by a deployer that stopped beating for ``stale_after_s``.
+
+    Their replicas still marked ``updating`` go back to ``serving``; the pool's target never
+    moved (only a finished rollout moves it), so the next check finds any replica the crashed
+    deployer had updated ``behind`` and :func:`reconcile` returns it to the target. Returns the
+    ids of the deployments failed.
+    """
+    cutoff = _now() - timedelta(seconds=stale_after_s)
+    failed: list[int] = []
+    with transaction(engine) as s:
+        query = select(DeploymentRow).where(DeploymentRow.status == "running")
+        if pool is not None:
+            query = query.where(DeploymentRow.pool == pool)
+        for dep in s.scalars(query):
+            last = _aware(dep.heartbeat_at or dep.started_at)
+            if last >= cutoff:
+                continue
+            dep.status, dep.finished_at = "failed", _now()
+            dep.message = (
+                f"the deployer stopped (no heartbeat since {last.isoformat()}); "
+                f"target left at {dep.from_version}, replicas reconciled to it"
+            )
+            for row in s.scalars(select(ReplicaRow).where(ReplicaRow.pool == dep.pool, ReplicaRow.state == "updating")):
+                row.state = "serving"
+            failed.append(dep.id)
+            log.warning("fleet.stale_deployment", deployment=dep.id, pool=dep.pool, last_heartbeat=last.isoformat())
+    return failed
+
+
+def versions_in_use(source: Any) -> set[str]:
+    """Every weights version a replica holds or is moving to: what the weight store's GC must keep.
+
+    ``source`` is a database engine or the root settings (anything with ``resolved_database_url``).
+    Counts the versions replicas reported, each pool's target, and both ends of running
+    deployments. A database without the serving tables has none in use.
+    """
+    if isinstance(source, Engine):
+        engine, own = source, False
+    else:
+        from ingest.db import make_engine
+
+        engine, own = make_engine(source.resolved_database_url), True
+    try:
+        if not inspect(engine).has_table(ReplicaRow.__tablename__):
+            return set()
+        with transaction(engine) as s:
+            used = {v for v in s.scalars(select(ReplicaRow.version)) if v}
+            used |= set(s.scalars(select(TargetRow.version)))
+            for dep in s.scalars(select(DeploymentRow).where(DeploymentRow.status == "running")):
+                used |= {dep.from_version, dep.to_version}
+        return used
+    finally:
+        if own:
+            engine.dispose()
+
+
+async def check_fleet(
+    engine: Engine, config: FleetConfig, pool: str | None = None, *, stale_after_s: float | None = None
+) -> list[Replica]:
+    """Check every replica once (concurrently) and record the results; with ``stale_after_s``,
+    first fail deployments whose deployer crashed (:func:`recover_stale`)."""
+    if stale_after_s is not None:
+        recover_stale(engine, stale_after_s, pool)
     replicas = list_replicas(engine, pool)
     targets = {p: accepted_versions(engine, p) for p in {r.pool for r in replicas}}
 
@@ -191,16 +256,25 @@ async def check_fleet(engine: Engine, config: FleetConfig, pool: str | None = No
 
 
 async def update_replica(
-    client: EngineClient, to_version: str, to_hash: str, *, from_version: str | None, kind: str, pause_timeout_s: float
-) -> tuple[dict[str, object], float]:
-    """Pull, pause (requests held), apply with hash check, resume. Returns (prefetch info, pause ms).
+    client: EngineClient,
+    to_version: str,
+    to_hash: str,
+    *,
+    from_version: str | None,
+    kind: str,
+    pause_timeout_s: float,
+    pulled: dict[str, Any] | None = None,
+) -> tuple[dict[str, Any], float]:
+    """Pull (unless ``pulled`` says it was), pause (requests held), apply with hash check, resume.
+    Returns (prefetch info, pause ms).
 
     The engine is resumed whatever happens once paused: a refused update leaves it serving the
     old weights.
     """
     import time
 
-    pulled = await client.prefetch(PrefetchRequest(to_version=to_version, from_version=from_version, kind=kind))  # type: ignore[arg-type]
+    if pulled is None:
+        pulled = await client.prefetch(PrefetchRequest(to_version=to_version, from_version=from_version, kind=kind))  # type: ignore[arg-type]
     await client.pause(wait_for_inflight_requests=True, timeout_s=pause_timeout_s)
     start = time.perf_counter()
     try:

@@ -70,10 +70,12 @@ class DeploymentRow(Base):
     kind: Mapped[str] = mapped_column(String(16))
     """``delta`` or ``snapshot`` (how replicas pull the new weights)."""
     status: Mapped[str] = mapped_column(String(16), index=True)
-    """``running``, ``succeeded``, ``rolled_back`` or ``failed``."""
+    """``running``, ``succeeded``, ``rolled_back`` or ``failed`` (also: a deployer that stopped beating)."""
     message: Mapped[str] = mapped_column(Text, default="")
     started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    """Last sign of life of the deployer; a running deployment without one for a while is stale."""
 
     stages: Mapped[list[DeploymentStageRow]] = relationship(
         back_populates="deployment", order_by="DeploymentStageRow.idx", cascade="all, delete-orphan"

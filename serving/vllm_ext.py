@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from serving.protocol import ApplyRequest, PrefetchRequest
 from serving.params import DictParams, Tensors
+from serving.protocol import ApplyRequest, PrefetchRequest
 from serving.weights import WeightUpdater
 
 

@@ -21,8 +21,9 @@ from the tensors an update touches only. An update is two calls:
 
 After an update the elements it changed and their old values are kept as a sparse *undo*
 (computed while pulling), so the usual rollback (back to the version held before) is a local
-revert of the same elements, verified like any update, with no store read. Stored tensors are in the store's dtype (bf16 by default); an fp32 engine
-holds those values exactly and presents its tensors cast to the stored dtype when checksumming.
+revert of the same elements, verified like any update, with no store read. Stored tensors are
+in the store's dtype (bf16 by default); an fp32 engine holds those values exactly and presents
+its tensors cast to the stored dtype when checksumming.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-UNDO_MAX_FRACTION = 0.25
+UNDO_MAX_FRACTION = 0.5
 """Keep an update's undo (changed elements and their old values) while it is at most this share of the model."""
 
 
@@ -125,6 +126,7 @@ class Undo:
         for name, value in new.items():
             before, after = to_words(old[name]), to_words(value)
             idx = np.flatnonzero(before != after)
+            idx = idx.astype(np.int32) if before.size < 2**31 else idx
             changes[name] = (idx, before[idx].copy())
         return cls(version, changes)
 
@@ -265,7 +267,9 @@ class WeightUpdater:
                     if step.kind == "full":
                         apply_full_inplace(staging, store.open_full(step.version), verify=False)
                     else:
-                        apply_delta_inplace(staging, store.open_delta(step.version), verify=False, held_version=step_held)
+                        apply_delta_inplace(
+                            staging, store.open_delta(step.version), verify=False, held_version=step_held
+                        )
                     step_held, nbytes = step.version, nbytes + step.bytes
                     staging.dtypes.update({n: m.dtype for n, m in store.manifest(step.version).tensors.items()})
             except (WeightsError, OSError) as exc:
@@ -275,7 +279,13 @@ class WeightUpdater:
                 continue
             kind = "snapshot" if any(s.kind == "full" for s in steps) else "delta"
             return Staged(
-                req.to_version, self.version, kind, staging.staged, nbytes, [f"{s.kind}:{s.version}" for s in steps], staging.read
+                req.to_version,
+                self.version,
+                kind,
+                staging.staged,
+                nbytes,
+                [f"{s.kind}:{s.version}" for s in steps],
+                staging.read,
             )
         raise ValueError(f"cannot pull {req.to_version!r}: every path failed: {failures}")
 
@@ -289,7 +299,9 @@ class WeightUpdater:
         if staged is None or staged.to_version != req.to_version:
             raise ValueError(f"nothing staged for version {req.to_version!r}; call undertow_prefetch first")
         if staged.base_version != self.version:
-            raise ValueError(f"the staged update was pulled against {staged.base_version!r}, the engine now holds {self.version!r}")
+            raise ValueError(
+                f"the staged update was pulled against {staged.base_version!r}, the engine now holds {self.version!r}"
+            )
         table = dict(self.table)
         table.update({name: tensor_meta(value) for name, value in staged.tensors.items()})
         got = version_hash(table)

@@ -1,33 +1,34 @@
-"""Bit-exact per-tensor delta codec: XOR of bit patterns, a magnitude class, sparse positions, one zstd frame.
+"""Bit-exact per-tensor delta codec: XOR of bit patterns, sparse positions or byte planes, zstd per section.
 
-Encoding a tensor against its exact base (``x = base_bits ^ target_bits``):
+Encoding a tensor against its exact base (``x = base_bits ^ target_bits``), the smaller of:
 
-1. **A low-magnitude class.** An optimizer step of size ``lr`` flips a bf16 value only when
-   it crosses a rounding boundary, ``2^-8 |w|`` wide, so small-magnitude elements change far
-   more often than large ones. The receiver holds the base, so both sides can mark the
-   elements whose base magnitude is below a cut (chosen by the encoder, sent in the header)
-   and code that class apart: measured on a tiny Qwen3-MoE, ~5% of the elements hold
-   16-100% changes while the rest change at ~2%. Mixing the two rates costs bits (the
-   order-0 entropy of the whole XOR stream is the bound a context-free coder cannot beat);
-   coding them apart gets below that bound. The low class is coded densely (its XOR words)
-   or sparsely (ranks within the class); the other changes keep their positions in the
-   whole tensor, which costs ~0.07 bit per change (the low class is ~5% of the positions)
-   and makes decoding one pass of vectorized work: the decoder never has to map ranks of
-   the large class back to positions, which would cost a select over the whole tensor.
-2. **Sparse positions** are coded as steps between changed elements (``pos[i] - pos[i-1]``,
-   ``pos[-1] = -1``), one byte each; steps over 255 are a 0 byte plus a uint32 escape.
-   XOR values are byte planes, most significant first. Dense XORs are byte planes.
-3. **The cut** minimizes the estimated position cost ``n_low H(k_low/n_low) + N H(k_high/N)``
-   (``H`` the binary entropy), read off cumulative histograms of the base magnitude's top 16
-   bits for all and for changed elements: one pass, no trial compressions. The encoder then
-   compresses the two or three best layouts and keeps the smallest.
+- ``sparse``: the changed elements' positions as one-byte steps (``pos[i] - pos[i-1]``,
+  ``pos[-1] = -1``; a step over 255 is a 0 byte plus a uint32 escape), then their XOR words
+  as byte planes, most significant first. Ideally this costs ``N H(K/N)`` bits for the
+  positions plus the entropy of the nonzero XOR words, which is exactly the order-0 entropy
+  of the XOR stream; zstd at level 16 (btopt parsing) with each section its own frame comes
+  within ~7% of it on real checkpoints (one frame for all sections: ~15%, level 9: ~15%).
+- ``planes``: the whole XOR as byte planes (tried when over a third of the elements changed).
+- ``classed`` (opt-in, ``WeightsConfig.magnitude_classes``): an optimizer step of size
+  ``lr`` flips a bf16 value only when it crosses a rounding boundary ``2^-8 |w|`` wide, so
+  small-magnitude elements change far more often. The receiver holds the base, so both
+  sides can mark the elements whose base magnitude is under a cut (sent in the header) and
+  code that low class apart (densely, or by rank within the class), the other changes by
+  position in the whole tensor. This beats the order-0 bound (~0.9x on a tiny Qwen3-MoE,
+  ~15% smaller than ``sparse``) but decoding must find the class's positions, a scan over
+  the whole tensor that numpy does at ~0.8 ns/element: ~3x slower decode, under 10% of
+  memcpy. The cut minimizes the estimated position bits ``n H(k/n) + N H((K-k)/N)`` (``H``
+  the binary entropy), read off cumulative histograms of the base magnitude's top 16 bits.
+
+Tensors whose XOR is all zero are ``same`` (no payload); new tensors or a changed
+dtype/shape are ``raw`` (the target's own byte planes).
 
 Payload layout (little-endian): magic ``UWD2``, encoding u8, word size u8, low-class mode u8
-(0 none, 1 dense, 2 sparse), reserved u8, element count u64, then per encoding: ``sparse``
-change count and escape count (u64 each); ``classed`` the cut (u64), the low class's change
-and escape counts (sparse mode only), then the rest's change and escape counts; then exactly
-one zstd frame holding the sections back to back (low class first): steps (u8), escapes
-(uint32 planes), values (planes); ``raw``/``planes`` one section; ``same`` no frame.
+(0 none, 1 dense, 2 sparse), reserved u8, element count u64; then per encoding a sequence of
+plain headers and sections, each section a u32 length and a zstd frame (length 0: empty):
+``raw``/``planes`` one section per byte plane; ``sparse`` change and escape counts (u64 each),
+then sections steps, escapes, value planes; ``classed`` the cut (u64), the low class (dense:
+value planes; sparse: as ``sparse`` with ranks), then the rest as ``sparse``.
 
 Decoding checks every count against the tensor size before allocating, refuses a frame whose
 content size differs from what the counts imply, and checks the target checksum: arbitrary
@@ -52,6 +53,7 @@ LOW_NONE, LOW_DENSE, LOW_SPARSE = 0, 1, 2
 _HEADER = struct.Struct("<4sBBBBQ")
 _COUNTS = struct.Struct("<QQ")
 _CUT = struct.Struct("<Q")
+_LENGTH = struct.Struct("<I")
 _MAX_ELEMENTS = 1 << 40
 _MIN_CLASSED = 4096
 _local = threading.local()
@@ -92,6 +94,12 @@ def from_planes(data: bytes | memoryview, dtype: np.dtype, count: int) -> np.nda
 # ---- encoding ------------------------------------------------------------------------------
 
 
+def _planes(words: np.ndarray) -> list[bytes]:
+    """Byte planes of ``words``, most significant first, each its own section."""
+    data, count = to_planes(words), words.size
+    return [data[i * count : (i + 1) * count] for i in range(words.dtype.itemsize)]
+
+
 def _steps(positions: np.ndarray) -> tuple[bytes, bytes]:
     """Sorted positions as one-byte steps and uint32 escapes (steps over 255, marked by a 0 byte)."""
     steps = np.diff(positions, prepend=-1)
@@ -99,10 +107,15 @@ def _steps(positions: np.ndarray) -> tuple[bytes, bytes]:
     return np.where(big, 0, steps).astype(np.uint8).tobytes(), to_planes(steps[big].astype(np.uint32))
 
 
-def _sparse_sections(x: np.ndarray, positions: np.ndarray) -> tuple[bytes, list[bytes]]:
-    """Counts header and sections of the changes at ``positions`` (indices into ``x``)."""
+class _Plain(bytes):
+    """Header bytes written as they are between the compressed sections."""
+
+
+def _sparse_sections(x: np.ndarray, positions: np.ndarray) -> list[bytes]:
+    """Counts, then sections (steps, escapes, value planes) of the changes at ``positions`` of ``x``."""
     step_bytes, escapes = _steps(positions)
-    return _COUNTS.pack(positions.size, len(escapes) // 4), [step_bytes, escapes, to_planes(x[positions])]
+    counts = _Plain(_COUNTS.pack(positions.size, len(escapes) // 4))
+    return [counts, step_bytes, escapes, *_planes(x[positions])]
 
 
 def _magnitude_key(base: np.ndarray, mask: int) -> tuple[np.ndarray, int]:
@@ -139,58 +152,69 @@ def best_cut(base: np.ndarray, changed: np.ndarray, mask: int) -> tuple[int, flo
     return (best + 1) << shift, plain - float(cost[best])
 
 
-def _header(encoding: str, target: np.ndarray, low_mode: int = LOW_NONE) -> bytes:
-    return _HEADER.pack(MAGIC, ENCODINGS.index(encoding), target.dtype.itemsize, low_mode, 0, target.size)
-
-
-def _layouts(x: np.ndarray, base: np.ndarray, mask: int | None) -> list[tuple[str, int, bytes, list[bytes]]]:
-    """Candidate layouts ``(encoding, low mode, header extra, sections)`` worth compressing."""
+def _layouts(x: np.ndarray, base: np.ndarray, mask: int | None) -> list[tuple[str, int, list[bytes]]]:
+    """Candidate layouts ``(encoding, low mode, sections)`` worth compressing."""
     changed = x != 0
     positions = np.flatnonzero(changed)
-    out: list[tuple[str, int, bytes, list[bytes]]] = []
-    if positions.size * 4 > x.size:
-        out.append(("planes", LOW_NONE, b"", [to_planes(x)]))
-    counts, sections = _sparse_sections(x, positions)
-    out.append(("sparse", LOW_NONE, counts, sections))
+    out: list[tuple[str, int, list[bytes]]] = []
+    if positions.size * 3 > x.size:
+        out.append(("planes", LOW_NONE, _planes(x)))
+    out.append(("sparse", LOW_NONE, _sparse_sections(x, positions)))
     if mask is None or x.size < _MIN_CLASSED:
         return out
     cut, saving = best_cut(base, changed, mask)
     if saving < 64 * 8:
         return out
     low = np.bitwise_and(base, base.dtype.type(mask)) < base.dtype.type(cut)
-    low_pos = np.flatnonzero(low)
-    rest_counts, rest = _sparse_sections(x, np.flatnonzero(changed & ~low))
-    low_x = x[low_pos]
-    dense_head = _CUT.pack(cut)
-    out.append(("classed", LOW_DENSE, dense_head + rest_counts, [to_planes(low_x), *rest]))
+    low_x = x[low]
+    rest = _sparse_sections(x, np.flatnonzero(changed & ~low))
+    head = _Plain(_CUT.pack(cut))
+    out.append(("classed", LOW_DENSE, [head, *_planes(low_x), *rest]))
     if np.count_nonzero(low_x) * 2 < low_x.size:
-        low_counts, low_sections = _sparse_sections(low_x, np.flatnonzero(low_x))
-        out.append(("classed", LOW_SPARSE, dense_head + low_counts + rest_counts, [*low_sections, *rest]))
+        out.append(("classed", LOW_SPARSE, [head, *_sparse_sections(low_x, np.flatnonzero(low_x)), *rest]))
     return out
 
 
-def encode_tensor(base: np.ndarray | None, target: np.ndarray, mask: int | None, level: int = 9) -> Encoded:
+def _frames(compressor: zstandard.ZstdCompressor, sections: list[bytes]) -> bytes:
+    """Each section as a u32-length-prefixed zstd frame (an empty one: a zero length, no frame); headers as they are."""
+    out: list[bytes] = []
+    for section in sections:
+        if isinstance(section, _Plain):
+            out.append(section)
+            continue
+        body = compressor.compress(section) if section else b""
+        if len(body) >= 1 << 32:
+            raise WeightsError("a tensor's delta section exceeds 4 GiB; split the tensor or store it in full")
+        out.append(_LENGTH.pack(len(body)) + body)
+    return b"".join(out)
+
+
+def encode_tensor(base: np.ndarray | None, target: np.ndarray, mask: int | None, level: int = 16) -> Encoded:
     """Encode ``target`` words against ``base`` words (None or a different size: coded ``raw``).
 
-    ``mask`` is the dtype's magnitude mask (:func:`policy.weights.format.magnitude_mask`), None for
-    integer tensors (no magnitude class). Each candidate layout is compressed at ``level`` and the
-    smallest is kept.
+    ``mask`` is the dtype's magnitude mask (:func:`policy.weights.format.magnitude_mask`) to allow
+    the low-magnitude class (smaller deltas, slower decode), None for none. Each candidate layout
+    is compressed at ``level`` and the smallest is kept.
     """
     compressor = zstandard.ZstdCompressor(level=level, write_content_size=True)
     if target.size > _MAX_ELEMENTS:
         raise WeightsError(f"tensor of {target.size} elements is larger than the codec's limit of 2^40")
     if base is None or base.dtype != target.dtype or base.size != target.size:
-        return Encoded("raw", _header("raw", target) + compressor.compress(to_planes(target)))
+        return Encoded("raw", _header("raw", target) + _frames(compressor, _planes(target)))
     x = np.bitwise_xor(base, target)
     if not x.any():
         return Encoded("same", _header("same", target))
     best: Encoded | None = None
-    for encoding, low_mode, extra, sections in _layouts(x, base, mask):
-        payload = _header(encoding, target, low_mode) + extra + compressor.compress(b"".join(sections))
+    for encoding, low_mode, sections in _layouts(x, base, mask):
+        payload = _header(encoding, target, low_mode) + _frames(compressor, sections)
         if best is None or len(payload) < len(best.payload):
             best = Encoded(encoding, payload)
     assert best is not None
     return best
+
+
+def _header(encoding: str, target: np.ndarray, low_mode: int = LOW_NONE) -> bytes:
+    return _HEADER.pack(MAGIC, ENCODINGS.index(encoding), target.dtype.itemsize, low_mode, 0, target.size)
 
 
 # ---- decoding ------------------------------------------------------------------------------
@@ -219,36 +243,60 @@ class _Reader:
         return out
 
     def counts(self, limit: int) -> tuple[int, int]:
+        """A (changes, escapes) pair, checked against the ``limit`` elements they can index."""
         changes, escapes = _COUNTS.unpack(self.take(_COUNTS.size))
         if changes > limit or escapes > changes:
             raise WeightsError(f"delta payload claims {changes} changes ({escapes} escapes) in {limit} elements")
         return changes, escapes
 
-    def frame(self, size: int) -> memoryview:
-        """The rest of the payload: one zstd frame of exactly ``size`` bytes of content."""
-        body = self.data[self.pos :]
-        self.pos = len(self.data)
+    def section(self, size: int) -> bytes:
+        """The next length-prefixed zstd frame, which must hold exactly ``size`` bytes."""
+        (length,) = _LENGTH.unpack(self.take(_LENGTH.size))
+        body = self.take(length)
+        if not size:
+            if length:
+                raise WeightsError("delta payload holds a frame where the header implies an empty section")
+            return b""
         try:
             claimed = zstandard.frame_content_size(body)
             if claimed != size:
                 raise WeightsError(f"delta payload frame claims {claimed} bytes, the header implies {size}")
-            out = _decompressor().decompress(body, max_output_size=max(size, 1))
+            out = _decompressor().decompress(body, max_output_size=size)
         except zstandard.ZstdError as err:
             raise WeightsError(f"delta payload holds a corrupt zstd frame: {err}") from err
         if len(out) != size:
             raise WeightsError("delta payload frame decompressed to a different size than its header says")
-        return memoryview(out)
+        return out
+
+    def words(self, dtype: np.dtype, count: int) -> np.ndarray:
+        """``count`` words from one section per byte plane."""
+        if dtype.itemsize == 1:
+            return np.frombuffer(self.section(count), dtype=dtype).copy()
+        out = np.frombuffer(self.section(count), dtype=np.uint8).astype(dtype)
+        for _ in range(dtype.itemsize - 1):
+            out <<= dtype.type(8)
+            out |= np.frombuffer(self.section(count), dtype=np.uint8)
+        return out
+
+    def sparse(self, out: np.ndarray, dtype: np.dtype, index: np.ndarray | None = None) -> None:
+        """XOR one set of sparse changes into ``out``; positions index ``index`` (then ``out``) if given."""
+        limit = out.size if index is None else index.size
+        changes, escapes = self.counts(limit)
+        positions = _positions(self.section(changes), self.section(4 * escapes), escapes, limit)
+        values = self.words(dtype, changes)
+        if changes:
+            out[positions if index is None else index[positions]] ^= values
 
 
-def _positions(steps: memoryview, escapes: memoryview, limit: int) -> np.ndarray:
-    """Positions from one-byte steps and uint32 escapes; every one checked to lie in ``[0, limit)``."""
+def _positions(steps: bytes, escapes: bytes, count: int, limit: int) -> np.ndarray:
+    """Positions from one-byte steps and ``count`` uint32 escapes; every one checked to lie in ``[0, limit)``."""
     small = np.frombuffer(steps, dtype=np.uint8)
-    if not escapes:
+    if not count:
         positions = np.cumsum(small, dtype=np.int64)
     else:
-        big = from_planes(escapes, np.dtype(np.uint32), len(escapes) // 4)
+        big = from_planes(escapes, np.dtype(np.uint32), count)
         where = np.flatnonzero(small == 0)
-        if where.size != big.size or float(big.sum(dtype=np.float64)) > limit:
+        if where.size != count or float(big.sum(dtype=np.float64)) > limit:
             raise WeightsError("delta payload step escapes do not match their markers or overrun the tensor")
         full = small.astype(np.int64)
         full[where] = big
@@ -257,28 +305,6 @@ def _positions(steps: memoryview, escapes: memoryview, limit: int) -> np.ndarray
     if positions.size and (positions[-1] >= limit or positions[0] < 0):
         raise WeightsError("delta payload points outside the tensor")
     return positions
-
-
-def _sparse_sizes(changes: int, escapes: int, word: int) -> list[int]:
-    return [changes, 4 * escapes, changes * word]
-
-
-def _split(data: memoryview, sizes: list[int]) -> list[memoryview]:
-    out, start = [], 0
-    for size in sizes:
-        out.append(data[start : start + size])
-        start += size
-    return out
-
-
-def _apply_sparse(
-    out: np.ndarray, sections: list[memoryview], dtype: np.dtype, index: np.ndarray | None = None
-) -> None:
-    """XOR the changes of one (steps, escapes, values) triple into ``out``; positions index ``index`` if given."""
-    steps, escapes, values = sections
-    positions = _positions(steps, escapes, out.size if index is None else index.size)
-    if positions.size:
-        out[positions if index is None else index[positions]] ^= from_planes(values, dtype, positions.size)
 
 
 def decode_tensor(
@@ -304,18 +330,17 @@ def decode_tensor(
     if (encoding == "classed") != (low_mode != LOW_NONE) or low_mode > LOW_SPARSE:
         raise WeightsError(f"delta payload has low-class mode {low_mode} with encoding {encoding}")
     if encoding == "raw":
-        out = from_planes(reader.frame(count * word), dtype, count)
+        out = reader.words(dtype, count)
     elif base is None or base.size != count or base.dtype != dtype:
         raise WeightsError("delta payload needs a base tensor of the same dtype and size; the receiver has none")
     elif encoding == "same":
         out = base.copy()
     elif encoding == "planes":
-        out = np.bitwise_xor(base, from_planes(reader.frame(count * word), dtype, count))
+        out = reader.words(dtype, count)
+        out ^= base
     elif encoding == "sparse":
-        changes, escapes = reader.counts(count)
-        sizes = _sparse_sizes(changes, escapes, word)
         out = base.copy()
-        _apply_sparse(out, _split(reader.frame(sum(sizes)), sizes), dtype)
+        reader.sparse(out, dtype)
     else:
         out = _decode_classed(reader, base, low_mode, dtype)
     if reader.pos != len(reader.data):
@@ -328,21 +353,14 @@ def decode_tensor(
 def _decode_classed(reader: _Reader, base: np.ndarray, low_mode: int, dtype: np.dtype) -> np.ndarray:
     """The low class (dense or by rank) at the positions of base magnitudes under the cut, then the rest."""
     (cut,) = _CUT.unpack(reader.take(_CUT.size))
-    word = dtype.itemsize
-    if cut >= 1 << (8 * word - 1):
+    bits = 8 * dtype.itemsize - 1
+    if cut >= 1 << bits:
         raise WeightsError("delta payload has a magnitude cut that its dtype cannot have")
-    magnitude = np.bitwise_and(base, dtype.type((1 << (8 * word - 1)) - 1))
-    low_pos = np.flatnonzero(np.less(magnitude, dtype.type(cut)))
-    if low_mode == LOW_DENSE:
-        low_sizes = [low_pos.size * word]
-    else:
-        low_sizes = _sparse_sizes(*reader.counts(low_pos.size), word)
-    rest_sizes = _sparse_sizes(*reader.counts(base.size), word)
-    sections = _split(reader.frame(sum(low_sizes) + sum(rest_sizes)), low_sizes + rest_sizes)
+    low = np.flatnonzero(np.less(np.bitwise_and(base, dtype.type((1 << bits) - 1)), dtype.type(cut)))
     out = base.copy()
     if low_mode == LOW_DENSE:
-        out[low_pos] ^= from_planes(sections[0], dtype, low_pos.size)
+        out[low] ^= reader.words(dtype, low.size)
     else:
-        _apply_sparse(out, sections[:3], dtype, index=low_pos)
-    _apply_sparse(out, sections[-3:], dtype)
+        reader.sparse(out, dtype, index=low)
+    reader.sparse(out, dtype)
     return out

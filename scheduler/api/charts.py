@@ -148,7 +148,7 @@ def reward_over_time(points: Sequence[dict[str, Any]], ylabel: str, title: str) 
                 linewidth=0,
             )
     if points:
-        _legend(ax, title="policy version")
+        _legend(ax)
         fig.autofmt_xdate()
     ax.set_ylabel(f"{ylabel} ({title})" if title else ylabel)
     return _render(fig, title or ylabel)
@@ -180,7 +180,7 @@ def retention_curves(points: Sequence[dict[str, Any]]) -> str:
         )
     if points:
         ax.set_xticks(range(len(horizons)), [horizon_label(h) for h in horizons])
-        _legend(ax, title="policy version")
+        _legend(ax)
         ax.set_ylim(0, 1.05)
     ax.set_xlabel("horizon after the session")
     ax.set_ylabel("lines retained")

@@ -40,7 +40,11 @@ def warmup_cmd(
     settings = setup()
     engine = open_database(settings)
     row = run_warmup(
-        settings.policy, checkpoints_root(settings), engine, steps=steps or None, eval_cfg=_eval_config(samples, per_tier)
+        settings.policy,
+        checkpoints_root(settings),
+        engine,
+        steps=steps or None,
+        eval_cfg=_eval_config(samples, per_tier),
     )
     if as_json:
         print_json(row)
@@ -106,7 +110,9 @@ def eval_cmd(
     if as_json:
         print_json({"version": row.version_id, **metrics})
     else:
-        typer.echo(f"{row.version_id}: keep rate {metrics['eval/keep_rate']:.3f}, pass rate {metrics['eval/pass_rate']:.3f}")
+        typer.echo(
+            f"{row.version_id}: keep rate {metrics['eval/keep_rate']:.3f}, pass rate {metrics['eval/pass_rate']:.3f}"
+        )
 
 
 @policy_app.command("versions")

@@ -81,7 +81,11 @@ def fleet_check(
     from serving.fleet import check_fleet
 
     settings = setup()
-    reps = asyncio.run(check_fleet(open_database(settings), settings.serving.fleet, pool))
+    reps = asyncio.run(
+        check_fleet(
+            open_database(settings), settings.serving.fleet, pool, stale_after_s=settings.serving.deploy.stale_after_s
+        )
+    )
     rows = [r.__dict__ | {"in_rotation": r.in_rotation} for r in reps]
     if json_out:
         print_json({"replicas": rows})
@@ -101,7 +105,7 @@ def fleet_reconcile(pool: Annotated[str, typer.Option(help="Pool.")] = "default"
 
     settings = setup()
     db = open_database(settings)
-    asyncio.run(check_fleet(db, settings.serving.fleet, pool))
+    asyncio.run(check_fleet(db, settings.serving.fleet, pool, stale_after_s=settings.serving.deploy.stale_after_s))
     print_json({"outcomes": asyncio.run(reconcile(db, settings.serving.fleet, pool))})
 
 
@@ -140,6 +144,7 @@ def deploy_rollout(
             pool=pool,
             kind="snapshot" if snapshot else "auto",
             metrics=metrics,
+            fleet_config=settings.serving.fleet,
         )
     )
     print_json(dataclasses.asdict(result))

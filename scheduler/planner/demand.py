@@ -55,7 +55,9 @@ def _gamma(means: np.ndarray, variance: np.ndarray, rng: np.random.Generator) ->
         ok = (means > 0) & (variance > 0)
         shape = np.where(ok, means * means / np.where(ok, variance, 1.0), 1.0)
         scale = np.where(ok, variance / np.where(ok, means, 1.0), 0.0)
-    draws = rng.gamma(shape, scale)
+    # Nor can one interval hold more arrivals than the whole window: the gamma tail is cut there.
+    window_total = np.nansum(np.maximum(np.nan_to_num(means), 0.0), axis=-1, keepdims=True)
+    draws = np.minimum(rng.gamma(shape, scale), window_total)
     return np.where(ok, draws, np.maximum(np.nan_to_num(means), 0.0))
 
 

@@ -92,7 +92,8 @@ def seed_telemetry(engine: Engine, *, n_sessions: int = 600, seed: int = 7, now:
     retention horizon has elapsed, so the reward models get final labels)."""
     rng = np.random.default_rng(seed)
     now = now or datetime.now(UTC)
-    start = now - timedelta(hours=74)
+    # Anchored to midnight so the same seed draws the same data whatever the time of day.
+    start = now.replace(hour=0, minute=0, second=0, microsecond=0) - timedelta(hours=96)
     span = timedelta(hours=48)
     events: list[dict[str, Any]] = []
     out = Seeded(start=start, end=start + span)
@@ -146,7 +147,7 @@ def seed_telemetry(engine: Engine, *, n_sessions: int = 600, seed: int = 7, now:
                             user,
                         )
                     )
-            accepted = rng.random() < utility
+            accepted = utility + rng.normal(0, 0.08) > 0.55
             events.append(
                 _env(
                     "edit.accepted" if accepted else "edit.rejected",

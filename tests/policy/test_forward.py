@@ -107,7 +107,9 @@ def test_checkpoint_round_trip_and_mixtral_style(tiny, tokenizer, tmp_path: Path
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= {p.name for p in path.iterdir()}
     loaded, tok = load_checkpoint(path)
     seq = list(range(3, 25))
-    assert np.array_equal(score_tokens(loaded, seq, prompt_len=4).logprobs, score_tokens(tiny, seq, prompt_len=4).logprobs)
+    assert np.array_equal(
+        score_tokens(loaded, seq, prompt_len=4).logprobs, score_tokens(tiny, seq, prompt_len=4).logprobs
+    )
     assert tok.encode("def f(x):") == tokenizer.encode("def f(x):")
     assert type(AutoModelForCausalLM.from_pretrained(path)).__name__ == "Qwen3MoeForCausalLM"
     # a Mixtral-style MoE directory loads and replays too

@@ -55,9 +55,7 @@ def test_hostile_candidates_fail_alone() -> None:
         "",
     ]
     start = time.monotonic()
-    results = check_many(
-        [(task, h) for h in hostile] + [(task, task.concise)], Limits(per_candidate_s=0.5, wall_s=4)
-    )
+    results = check_many([(task, h) for h in hostile] + [(task, task.concise)], Limits(per_candidate_s=0.5, wall_s=4))
     assert time.monotonic() - start < 30
     assert [r.passed for r in results] == [False] * len(hostile) + [True]
 

@@ -10,7 +10,6 @@ import time
 import httpx
 import pytest
 
-
 from serving import fleet
 from serving.config import DeployConfig, FleetConfig, GatewayConfig
 from serving.deploy import gate, rollout, stage_sizes
@@ -144,7 +143,8 @@ def test_replica_killed_mid_update_is_excluded_and_a_behind_one_reconciles(regis
     reps = {r.id: r for r in asyncio.run(fleet.check_fleet(registry, FLEET))}
     assert reps["r2"].health == "behind"
     outcomes = asyncio.run(fleet.reconcile(registry, FLEET))
-    assert "delta" in outcomes["r2"] and "delta" in outcomes["r0"]
+    # r2 restarted on v0: a delta; r0 was rolled back by its undo and moves forward by reverting it.
+    assert "(delta," in outcomes["r2"] and "(undo," in outcomes["r0"]
     reps = {r.id: r for r in asyncio.run(fleet.check_fleet(registry, FLEET))}
     assert all(r.in_rotation and r.version == "v1" for r in reps.values())
 
@@ -181,3 +181,61 @@ def test_gate_and_stages_rules() -> None:
     assert stage_sizes(3, DeployConfig(canary_replicas=1, stages=[0.5, 1.0])) == [1, 2, 3]
     assert stage_sizes(1, DeployConfig()) == [1]
     assert stage_sizes(10, DeployConfig(canary_replicas=1, stages=[0.5])) == [1, 5, 10]
+
+
+def test_stale_deployment_is_failed_and_its_replicas_reconciled(registry, versions) -> None:  # type: ignore[no-untyped-def]
+    from datetime import UTC, datetime, timedelta
+
+    from ingest.db import transaction
+    from serving.tables import DeploymentRow
+
+    # A deployer that moved r0 to v1, then crashed: its deployment says "running" forever.
+    old = datetime.now(UTC) - timedelta(minutes=10)
+    with transaction(registry) as s:
+        dep = DeploymentRow(
+            pool="default",
+            from_version="v0",
+            to_version="v1",
+            to_hash=versions.hashes["v1"],
+            kind="auto",
+            status="running",
+            message="",
+            started_at=old,
+            heartbeat_at=old,
+        )
+        s.add(dep)
+        s.flush()
+        dep_id = dep.id
+    r0 = fleet.list_replicas(registry)[0]
+    from serving.client import EngineClient
+
+    async def move() -> None:
+        async with EngineClient(r0.url) as c:
+            await fleet.update_replica(
+                c, "v1", versions.hashes["v1"], from_version="v0", kind="auto", pause_timeout_s=30
+            )
+
+    asyncio.run(move())
+    fleet.set_state(registry, "r0", "updating")
+    assert fleet.versions_in_use(registry) == {"v0", "v1"}
+    # A fresh running deployment is not stale; the next rollout refuses to run beside it.
+    with pytest.raises(ValueError, match="still running"):
+        asyncio.run(rollout(registry, "v2", versions.hashes["v2"], DeployConfig(stale_after_s=3600)))
+    # With the heartbeat older than stale_after_s, a check fails it and frees the replica.
+    reps = {r.id: r for r in asyncio.run(fleet.check_fleet(registry, FLEET, stale_after_s=60))}
+    with transaction(registry) as s:
+        row = s.get(DeploymentRow, dep_id)
+        assert row is not None and row.status == "failed" and "heartbeat" in row.message
+    assert reps["r0"].state == "serving" and reps["r0"].health == "behind"
+    assert fleet.versions_in_use(registry) == {"v0", "v1"}  # r0 still holds v1 until reconciled
+    outcomes = asyncio.run(fleet.reconcile(registry, FLEET))
+    assert "undo" in outcomes["r0"]
+    reps = {r.id: r for r in asyncio.run(fleet.check_fleet(registry, FLEET))}
+    assert all(r.in_rotation and r.version == "v0" for r in reps.values())
+    assert fleet.versions_in_use(registry) == {"v0"}
+
+
+def test_versions_in_use_without_serving_tables(sqlite_url) -> None:  # type: ignore[no-untyped-def]
+    from ingest.db import make_engine
+
+    assert fleet.versions_in_use(make_engine(sqlite_url)) == set()

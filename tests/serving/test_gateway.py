@@ -10,10 +10,9 @@ import uuid
 import httpx
 import pytest
 
-
 from serving.config import GatewayConfig
-from serving.launch import ServerThread
 from serving.gateway import Gateway, create_gateway_app, static_replicas
+from serving.launch import ServerThread
 from serving.telemetry import TelemetryEmitter
 
 
