@@ -29,16 +29,16 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from ingest.config import IngestConfig, KafkaConfig  # noqa: E402
-from ingest.consumer import BatchReport, IngestConsumer  # noqa: E402
-from ingest.db import make_engine, transaction, upgrade  # noqa: E402
-from ingest.embedded import EmbeddedBroker, create_topics  # noqa: E402
-from ingest.producer import TelemetryProducer, event_key  # noqa: E402
-from ingest.schemas import validate_event  # noqa: E402
-from ingest.synthetic import default_trace_path, generate, load_rates  # noqa: E402
-from ingest.tables import DuplicateRow, SessionRow, SignalRow  # noqa: E402
+from ingest.config import IngestConfig, KafkaConfig
+from ingest.consumer import BatchReport, IngestConsumer
+from ingest.db import make_engine, transaction, upgrade
+from ingest.embedded import EmbeddedBroker, create_topics
+from ingest.producer import TelemetryProducer, event_key
+from ingest.schemas import validate_event
+from ingest.synthetic import default_trace_path, generate, load_rates
+from ingest.tables import DuplicateRow, SessionRow, SignalRow
 
 
 def log(msg: str) -> None:
@@ -94,9 +94,29 @@ def check(engine: object, event_ids: set[str]) -> tuple[int, int]:
     with transaction(engine) as s:  # type: ignore[arg-type]
         for i in range(0, len(ids), 500):
             chunk = ids[i : i + 500]
-            stored += list(s.scalars(SessionRow.__table__.select().with_only_columns(SessionRow.event_id).where(SessionRow.event_id.in_(chunk))))
-            stored += list(s.scalars(SignalRow.__table__.select().with_only_columns(SignalRow.event_id).where(SignalRow.event_id.in_(chunk))))
-            dupes += len(list(s.scalars(DuplicateRow.__table__.select().with_only_columns(DuplicateRow.id).where(DuplicateRow.event_id.in_(chunk)))))
+            stored += list(
+                s.scalars(
+                    SessionRow.__table__.select()
+                    .with_only_columns(SessionRow.event_id)
+                    .where(SessionRow.event_id.in_(chunk))
+                )
+            )
+            stored += list(
+                s.scalars(
+                    SignalRow.__table__.select()
+                    .with_only_columns(SignalRow.event_id)
+                    .where(SignalRow.event_id.in_(chunk))
+                )
+            )
+            dupes += len(
+                list(
+                    s.scalars(
+                        DuplicateRow.__table__.select()
+                        .with_only_columns(DuplicateRow.id)
+                        .where(DuplicateRow.event_id.in_(chunk))
+                    )
+                )
+            )
     lost = len(event_ids - set(stored))
     return lost, dupes + (len(stored) - len(set(stored)))
 

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import array
 import base64
 import io
+import sys
 
 import numpy as np
+
+_LITTLE = sys.byteorder == "little" and array.array("i").itemsize == 4
 
 
 def pack_ids(ids: list[int] | np.ndarray | None) -> bytes | None:
     """Token ids as little-endian int32 bytes (None stays None)."""
     if ids is None:
         return None
+    if isinstance(ids, list) and _LITTLE:  # the common case, without NumPy's per-call overhead
+        return array.array("i", ids).tobytes()
     return np.asarray(ids, dtype="<i4").tobytes()
 
 
@@ -26,6 +32,8 @@ def pack_floats(values: list[float] | np.ndarray | None) -> bytes | None:
     """Floats as little-endian float64 bytes, bit-exact for what JSON carried."""
     if values is None:
         return None
+    if isinstance(values, list) and _LITTLE:
+        return array.array("d", values).tobytes()
     return np.asarray(values, dtype="<f8").tobytes()
 
 

@@ -38,7 +38,15 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from ingest import schemas
 from ingest.config import IngestConfig, KafkaConfig
 from ingest.db import transaction
-from ingest.writer import DeadLetter, Delivery, WriteResult, load_offsets, store_offsets, write_dead_letters, write_events
+from ingest.writer import (
+    DeadLetter,
+    Delivery,
+    WriteResult,
+    load_offsets,
+    store_offsets,
+    write_dead_letters,
+    write_events,
+)
 
 log = structlog.get_logger(__name__)
 

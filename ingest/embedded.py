@@ -9,6 +9,7 @@ the new one from the beginning; producers re-send what was not acknowledged.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -125,7 +126,9 @@ class EmbeddedBroker:
     def __enter__(self) -> EmbeddedBroker:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()
 
 
@@ -138,7 +141,10 @@ def create_topics(bootstrap: str, topics: dict[str, int], timeout_s: float = 20.
     while True:
         try:
             admin = KafkaAdminClient(
-                bootstrap_servers=bootstrap, client_id="undertow-admin", request_timeout_ms=5000, bootstrap_timeout_ms=5000
+                bootstrap_servers=bootstrap,
+                client_id="undertow-admin",
+                request_timeout_ms=5000,
+                bootstrap_timeout_ms=5000,
             )
             break
         except (KafkaConnectionError, KafkaTimeoutError):
@@ -149,9 +155,7 @@ def create_topics(bootstrap: str, topics: dict[str, int], timeout_s: float = 20.
         existing = set(admin.list_topics())
         new = [NewTopic(name, n, 1) for name, n in topics.items() if name not in existing]
         if new:
-            try:
+            with contextlib.suppress(TopicAlreadyExistsError):  # a concurrent creator won the race
                 admin.create_topics(new)
-            except TopicAlreadyExistsError:
-                pass
     finally:
         admin.close()

@@ -61,7 +61,9 @@ def signals_by_session(engine: Engine, session_ids: Iterable[str] | None = None)
         for row in session.execute(sig_q).scalars():
             assert row.session_id is not None
             entry = out.setdefault(row.session_id, SessionSignals(row.session_id, arrived=False))
-            entry.signals.append(SignalView(row.event_id, row.type, row.occurred_at, row.horizon_s, row.value, row.payload))
+            entry.signals.append(
+                SignalView(row.event_id, row.type, row.occurred_at, row.horizon_s, row.value, row.payload)
+            )
     return out
 
 

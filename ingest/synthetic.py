@@ -39,11 +39,16 @@ _TASKS = (
     ("clamp a value to a range", "def clamp(x, lo, hi):\n    return max(lo, min(x, hi))\n"),
     ("reverse the words of a sentence", "def reverse_words(s):\n    return ' '.join(reversed(s.split()))\n"),
     ("count the vowels in a string", "def vowels(s):\n    return sum(c in 'aeiou' for c in s.lower())\n"),
-    ("check that brackets are balanced", "def balanced(s):\n    depth = 0\n    for c in s:\n"
-     "        depth += {'(': 1, ')': -1}.get(c, 0)\n        if depth < 0:\n            return False\n"
-     "    return depth == 0\n"),
-    ("return the n-th Fibonacci number", "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n"
-     "        a, b = b, a + b\n    return a\n"),
+    (
+        "check that brackets are balanced",
+        "def balanced(s):\n    depth = 0\n    for c in s:\n"
+        "        depth += {'(': 1, ')': -1}.get(c, 0)\n        if depth < 0:\n            return False\n"
+        "    return depth == 0\n",
+    ),
+    (
+        "return the n-th Fibonacci number",
+        "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n",
+    ),
     ("merge two sorted lists", "def merge(a, b):\n    return sorted(a + b)\n"),
     ("deduplicate a list keeping order", "def dedupe(xs):\n    return list(dict.fromkeys(xs))\n"),
 )
@@ -149,7 +154,9 @@ def generate(
     quality: dict[str, float] = {}
 
     def eid() -> str:
-        return id_prefix + str(uuid.UUID(int=int(rng.integers(0, 2**63)) << 64 | int(rng.integers(0, 2**63)), version=4))
+        return id_prefix + str(
+            uuid.UUID(int=int(rng.integers(0, 2**63)) << 64 | int(rng.integers(0, 2**63)), version=4)
+        )
 
     def envelope(kind: str, at: float, session_id: str | None, user: str, payload: dict[str, Any]) -> dict[str, Any]:
         env: dict[str, Any] = {
@@ -185,11 +192,18 @@ def generate(
             payload: dict[str, Any] = {
                 "model": model,
                 "policy_version": "v0001" if model == _MODELS[0] else "external",
-                "prompt": {"text": f"Write a Python function to {task}.", "token_ids": rng.integers(0, 32000, n_prompt).tolist()},
+                "prompt": {
+                    "text": f"Write a Python function to {task}.",
+                    "token_ids": rng.integers(0, 32000, n_prompt).tolist(),
+                },
                 "segments": [
                     {"role": "user", "text": f"Write a Python function to {task}."},
-                    {"role": "assistant", "text": text, "token_ids": out_ids,
-                     "logprobs": np.round(-rng.exponential(0.4 + (1 - q), n_out), 6).tolist()},
+                    {
+                        "role": "assistant",
+                        "text": text,
+                        "token_ids": out_ids,
+                        "logprobs": np.round(-rng.exponential(0.4 + (1 - q), n_out), 6).tolist(),
+                    },
                 ],
                 "sampling": {"temperature": 1.0, "top_p": 1.0, "max_tokens": 128, "logprobs_mode": "raw"},
                 "finish_reason": "stop",
@@ -207,20 +221,44 @@ def generate(
         chosen = 0
         if k > 1:
             shown_at = t0 + 0.5
-            emit(shown_at, envelope("candidates.shown", shown_at, session_ids[0], user,
-                                    {"group_id": group_id, "session_ids": session_ids}))
+            emit(
+                shown_at,
+                envelope(
+                    "candidates.shown",
+                    shown_at,
+                    session_ids[0],
+                    user,
+                    {"group_id": group_id, "session_ids": session_ids},
+                ),
+            )
             logits = np.array(qualities) * 4.0
             probs = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
             chosen = int(rng.choice(k, p=probs))
             picked_at = shown_at + float(rng.exponential(20.0))
-            emit(picked_at, envelope("candidate.selected", picked_at, session_ids[chosen], user,
-                                     {"group_id": group_id, "chosen_session_id": session_ids[chosen]}))
+            emit(
+                picked_at,
+                envelope(
+                    "candidate.selected",
+                    picked_at,
+                    session_ids[chosen],
+                    user,
+                    {"group_id": group_id, "chosen_session_id": session_ids[chosen]},
+                ),
+            )
         sid, q = session_ids[chosen], qualities[chosen]
         lines = code.count("\n")
         decided_at = t0 + 5 + float(rng.exponential(30.0))
         accepted = rng.random() < q
-        emit(decided_at, envelope("edit.accepted" if accepted else "edit.rejected", decided_at, sid, user,
-                                  {"edit_id": f"{id_prefix}edit-{seed}-{r}", "lines": lines}))
+        emit(
+            decided_at,
+            envelope(
+                "edit.accepted" if accepted else "edit.rejected",
+                decided_at,
+                sid,
+                user,
+                {"edit_id": f"{id_prefix}edit-{seed}-{r}", "lines": lines},
+            ),
+        )
         if accepted:
             kept = lines
             for h in horizons:
@@ -266,9 +304,12 @@ def flat_session(i: int, seed: int = 0, n_tokens: int = 32) -> dict[str, Any]:
             "policy_version": "v0001",
             "prompt": {"text": "Write a function.", "token_ids": rng.integers(0, 32000, 8).tolist()},
             "segments": [
-                {"role": "assistant", "text": "def f():\n    return 1\n",
-                 "token_ids": rng.integers(0, 32000, n_tokens).tolist(),
-                 "logprobs": np.round(-rng.exponential(0.5, n_tokens), 6).tolist()},
+                {
+                    "role": "assistant",
+                    "text": "def f():\n    return 1\n",
+                    "token_ids": rng.integers(0, 32000, n_tokens).tolist(),
+                    "logprobs": np.round(-rng.exponential(0.5, n_tokens), 6).tolist(),
+                },
             ],
         },
     }

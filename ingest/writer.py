@@ -20,7 +20,7 @@ import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import JSON, DateTime, Table, select, union_all
 from sqlalchemy.dialects import postgresql, sqlite
@@ -31,6 +31,12 @@ from ingest.arrays import pack_floats, pack_ids
 from ingest.tables import ConsumerOffsetRow, DeadLetterRow, DuplicateRow, SegmentRow, SessionRow, SignalRow
 
 _CHUNK = 500
+_SESSIONS = cast(Table, SessionRow.__table__)
+_SEGMENTS = cast(Table, SegmentRow.__table__)
+_SIGNALS = cast(Table, SignalRow.__table__)
+_DUPLICATES = cast(Table, DuplicateRow.__table__)
+_DEAD_LETTERS = cast(Table, DeadLetterRow.__table__)
+_OFFSETS = cast(Table, ConsumerOffsetRow.__table__)
 
 
 @dataclass(frozen=True)
@@ -103,12 +109,11 @@ def _sqlite_converters(table: Table, cols: list[str]) -> list[Any]:
 def _sqlite_executemany(session: Session, table: Table, rows: list[dict[str, Any]], verb: str) -> int:
     """Insert through the driver in the session's transaction (SQLAlchemy's per-row work is the cost)."""
     cols = list(rows[0])
-    convert = _sqlite_converters(table, cols)
-    get = operator.itemgetter(*cols)
-    if all(f is None for f in convert):
-        params = [get(row) for row in rows]
-    else:
-        params = [tuple(v if f is None else f(v) for v, f in zip(get(row), convert, strict=True)) for row in rows]
+    columns: list[Any] = []
+    for name, convert in zip(cols, _sqlite_converters(table, cols), strict=True):
+        values = list(map(operator.itemgetter(name), rows))
+        columns.append(values if convert is None else list(map(convert, values)))
+    params = list(zip(*columns, strict=True))
     names = ", ".join(f'"{c}"' for c in cols)
     marks = ", ".join("?" * len(cols))
     cursor = session.connection().connection.driver_connection.cursor()  # type: ignore[union-attr]
@@ -179,7 +184,11 @@ def signal_value(event: schemas.Event) -> float | None:
 def signal_row(event: schemas.Event, received_at: datetime) -> dict[str, Any]:
     """Column values of a ``signals`` row for a non-session event."""
     payload = event.payload
-    group_id = getattr(payload, "group_id", None) if event.type in (schemas.CANDIDATES_SHOWN, schemas.CANDIDATE_SELECTED) else None
+    group_id = (
+        getattr(payload, "group_id", None)
+        if event.type in (schemas.CANDIDATES_SHOWN, schemas.CANDIDATE_SELECTED)
+        else None
+    )
     return {
         "event_id": event.event_id,
         "type": event.type,
@@ -202,7 +211,10 @@ def session_rows(event: schemas.SessionCompleted, received_at: datetime) -> tupl
     if p.sampling is not None:
         extra["sampling"] = p.sampling.model_dump(mode="json", exclude_none=True)
     if p.files is not None:
-        extra["files"] = [{"path": f.path, "lines_added": f.lines_added, "lines_removed": f.lines_removed, **(f.model_extra or {})} for f in p.files]
+        extra["files"] = [
+            {"path": f.path, "lines_added": f.lines_added, "lines_removed": f.lines_removed, **(f.model_extra or {})}
+            for f in p.files
+        ]
     if p.prompt.model_extra:
         extra["prompt_extra"] = dict(p.prompt.model_extra)
     if any(s.model_extra for s in p.segments):
@@ -291,18 +303,18 @@ def write_events(
     signals.sort(key=lambda r: r["event_id"])
     inserted: set[str] = set()
     if sessions:
-        inserted |= _insert_new(session, SessionRow.__table__, sessions, received_at)
+        inserted |= _insert_new(session, _SESSIONS, sessions, received_at)
         seg_rows = [seg for row in sessions if row["event_id"] in inserted for seg in segments[row["session_id"]]]
         if seg_rows:
-            _insert_all(session, SegmentRow.__table__, seg_rows)
+            _insert_all(session, _SEGMENTS, seg_rows)
     if signals:
-        inserted |= _insert_new(session, SignalRow.__table__, signals, received_at)
+        inserted |= _insert_new(session, _SIGNALS, signals, received_at)
     dupes.extend(d for eid, d in fresh.items() if eid not in inserted)
 
     if dupes:
         _insert_all(
             session,
-            DuplicateRow.__table__,
+            _DUPLICATES,
             [
                 {
                     "event_id": d.event.event_id,
@@ -327,7 +339,7 @@ def write_dead_letters(session: Session, letters: Sequence[DeadLetter], created_
         return 0
     created_at = created_at or datetime.now(UTC)
     session.execute(
-        DeadLetterRow.__table__.insert(),
+        _DEAD_LETTERS.insert(),
         [
             {
                 "topic": dl.topic,
@@ -355,10 +367,17 @@ def store_offsets(
         return
     now = datetime.now(UTC)
     rows = [
-        {"group_id": group_id, "topic": t, "partition": p, "next_offset": o, "updated_at": now, "cluster_id": cluster_id}
+        {
+            "group_id": group_id,
+            "topic": t,
+            "partition": p,
+            "next_offset": o,
+            "updated_at": now,
+            "cluster_id": cluster_id,
+        }
         for (t, p), o in offsets.items()
     ]
-    stmt = _insert(session, ConsumerOffsetRow.__table__)
+    stmt = _insert(session, _OFFSETS)
     stmt = stmt.on_conflict_do_update(
         index_elements=["group_id", "topic", "partition"],
         set_={

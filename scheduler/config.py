@@ -73,8 +73,8 @@ class SchedulerConfig(BaseModel):
     """A borrowed replica's lease expires unless its holder renews it within this."""
     generation_cost_per_token: float = Field(default=1.0, gt=0)
     """Measured cost of generating one rollout token (forward passes)."""
-    training_cost_per_token: float = Field(default=2.0, gt=0)
-    """Measured cost of training on one token relative to generating one (a third of borrowed capacity generates)."""
+    training_cost_per_token: float = Field(default=3.0, gt=0)
+    """Cost of training one token in forward passes (forward + backward = 3): a quarter of borrowed time generates."""
     fixed_window_start_h: float = Field(default=1.0, ge=0, lt=24)
     """Baseline: local hour the fixed nightly borrowing window opens."""
     fixed_window_end_h: float = Field(default=6.0, gt=0, le=24)
@@ -118,3 +118,5 @@ class ApiConfig(BaseModel):
     """Mark the dashboard login cookie ``Secure`` (turn on behind HTTPS)."""
     session_max_age_s: int = 12 * 3600
     """How long a dashboard login lasts before the browser must log in again."""
+    guard_refresh_s: float = 60.0
+    """Longest a reward-hacking verdict is reused while new data arrives (it scores every session)."""

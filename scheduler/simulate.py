@@ -341,6 +341,7 @@ def simulate(
         else 0.0,
         "slo_violations": ours.slo_violation_windows,
         "slo_violation_intervals": ours.slo_violation_intervals,
+        "slo_violation_windows": sorted(ours.violated),
         "fixed_window_slo_violations": fixed.slo_violation_windows,
         "oracle_slo_violations": oracle.slo_violation_windows,
         "no_borrow_slo_violations": no_borrow_violations,

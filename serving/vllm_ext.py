@@ -9,11 +9,12 @@ drives both backends the same way.
 vLLM keeps weights in its own layout (fused ``qkv_proj``, stacked expert tensors, sharded over
 tensor-parallel ranks), while Undertow's deltas and hashes are over the Hugging Face tensors of
 the checkpoint. Each worker therefore keeps a host-memory shadow of the Hugging Face tensors
-(read once from the checkpoint directory vLLM loaded). An update decodes the new values of the
-touched tensors against that shadow, verifies the version hash, and only then hands the touched
-tensors to the model's own ``load_weights`` (which writes them into the fused, sharded GPU
-parameters in place, as it does at startup) and updates the shadow. A corrupt delta or a hash
-mismatch raises before ``load_weights`` is called: the worker keeps serving the old weights.
+(read once from the store's version, or from the checkpoint directory without a store). An
+update decodes the new values of the touched tensors against that shadow, verifies the version
+hash, and only then hands the touched tensors to the model's own ``load_weights`` (which
+writes them into the fused, sharded GPU parameters in place, as it does at startup) and
+updates the shadow. A corrupt delta or a hash mismatch raises before ``load_weights`` is called:
+the worker keeps serving the old weights.
 
 Configuration comes from the environment of ``vllm serve`` (workers inherit it):
 ``UNDERTOW_WEIGHTS_STORE`` (the weight store) and ``UNDERTOW_WEIGHTS_VERSION`` (the version of

@@ -21,14 +21,14 @@ tensor plus the cache.
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 import torch
 
-from policy.weights.format import WeightsError, checksum, dtype_name, from_words, to_words, version_hash
+from policy.weights.format import Manifest, WeightsError, checksum, dtype_name, from_words, to_words, version_hash
 from policy.weights.store import DeltaReader, FullReader
 
 
@@ -145,6 +145,23 @@ def apply_delta_inplace(
             return None
         return delta.decode(name, base)
 
+    try:
+        _apply(live, delta, manifest, decode, verify, cache_bytes, report)
+    finally:
+        delta.close()
+    return report
+
+
+def _apply(
+    live: ParamTarget,
+    delta: DeltaReader,
+    manifest: Manifest,
+    decode: Callable[[str], np.ndarray | None],
+    verify: bool,
+    cache_bytes: int,
+    report: ApplyReport,
+) -> None:
+    """Decode (and verify) every tensor, then write; decoded tensors are cached for the write pass."""
     cache: dict[str, np.ndarray | None] = {}
     if verify:
         budget = cache_bytes
@@ -161,9 +178,8 @@ def apply_delta_inplace(
             continue
         live.set(name, from_words(words, meta.dtype, meta.shape))
         report.tensors += 1
-    for name in artifact.removed:
+    for name in delta.delta.removed:
         live.remove(name)
-    return report
 
 
 def apply_full_inplace(

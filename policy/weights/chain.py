@@ -6,6 +6,14 @@ from the held version (cost 0) and from "nothing" finds the path that reads the 
 :func:`update` applies it step by step; each step is verified before it writes, so when a
 delta is corrupt or missing the target still holds the last good version, the bad artifact is
 excluded and a new path is planned (ending, at worst, at the nearest full snapshot).
+
+Rollback needs no artifact of its own: deltas only point forward (parent to child), so going
+from a newer held version back to an older one is planned like any path: the nearest full
+snapshot at or before the target, then the forward deltas up to it. Its cost is bounded by one
+snapshot plus ``snapshot_every - 1`` deltas. Reverse deltas (child to parent) would make a
+one-version rollback as cheap as a forward step; they are left out because rollback is rare
+(an incident, not the steady state), its cost is already bounded, and they would double the
+bytes written per version.
 """
 
 from __future__ import annotations

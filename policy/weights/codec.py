@@ -175,14 +175,20 @@ def _layouts(x: np.ndarray, base: np.ndarray, mask: int | None) -> list[tuple[st
     return out
 
 
-def _frames(compressor: zstandard.ZstdCompressor, sections: list[bytes]) -> bytes:
-    """Each section as a u32-length-prefixed zstd frame (an empty one: a zero length, no frame); headers as they are."""
+def _frames(compressor: zstandard.ZstdCompressor, sections: list[bytes], memo: dict[int, bytes] | None = None) -> bytes:
+    """Each section as a u32-length-prefixed zstd frame (an empty one: a zero length, no frame); headers as they are.
+
+    ``memo`` (by object identity) lets layouts that share sections compress them once.
+    """
     out: list[bytes] = []
+    memo = {} if memo is None else memo
     for section in sections:
         if isinstance(section, _Plain):
             out.append(section)
             continue
-        body = compressor.compress(section) if section else b""
+        if id(section) not in memo:
+            memo[id(section)] = compressor.compress(section) if section else b""
+        body = memo[id(section)]
         if len(body) >= 1 << 32:
             raise WeightsError("a tensor's delta section exceeds 4 GiB; split the tensor or store it in full")
         out.append(_LENGTH.pack(len(body)) + body)
@@ -205,8 +211,10 @@ def encode_tensor(base: np.ndarray | None, target: np.ndarray, mask: int | None,
     if not x.any():
         return Encoded("same", _header("same", target))
     best: Encoded | None = None
-    for encoding, low_mode, sections in _layouts(x, base, mask):
-        payload = _header(encoding, target, low_mode) + _frames(compressor, sections)
+    layouts = _layouts(x, base, mask)
+    memo: dict[int, bytes] = {}
+    for encoding, low_mode, sections in layouts:
+        payload = _header(encoding, target, low_mode) + _frames(compressor, sections, memo)
         if best is None or len(payload) < len(best.payload):
             best = Encoded(encoding, payload)
     assert best is not None

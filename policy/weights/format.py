@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from typing import Any, Literal
 
@@ -126,7 +127,7 @@ class TensorMeta(BaseModel):
 
     def numel(self) -> int:
         """Number of elements."""
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        return math.prod(self.shape)
 
     def nbytes(self) -> int:
         """Size of the raw tensor in bytes."""

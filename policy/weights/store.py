@@ -68,13 +68,15 @@ class DeltaReader:
             raise WeightsError(f"delta file of version {manifest.version} is missing; use another path")
         if store.fs.size(self.path) != self.delta.bytes:
             raise WeightsError(f"delta of version {manifest.version} is truncated or overwritten: size differs")
+        self._handle: Any = None
 
     def payload(self, name: str) -> bytes:
-        """The encoded payload of ``name``, verified against its checksum."""
+        """The encoded payload of ``name``, verified against its checksum (one open file for all tensors)."""
         entry = self.delta.tensors[name]
-        with self.store.fs.open(self.path, "rb") as handle:
-            handle.seek(entry.offset)
-            data = handle.read(entry.length)
+        if self._handle is None:
+            self._handle = self.store.fs.open(self.path, "rb")
+        self._handle.seek(entry.offset)
+        data = self._handle.read(entry.length)
         if len(data) != entry.length:
             raise WeightsError(
                 f"delta of {self.manifest.version} is truncated at tensor {name}; refetch or use a snapshot"
@@ -89,6 +91,18 @@ class DeltaReader:
         """Target words of ``name`` from the base's words (verified against the target checksum)."""
         meta = self.manifest.tensors[name]
         return decode_tensor(self.payload(name), base, word_dtype(meta.dtype), meta.numel(), meta.checksum)
+
+    def close(self) -> None:
+        """Close the delta file (a later read reopens it)."""
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+    def __enter__(self) -> DeltaReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class FullReader:
@@ -195,7 +209,8 @@ class WeightStore:
             if name not in manifest.tensors:
                 words = None
                 continue
-            words = DeltaReader(self, manifest).decode(name, words if name in previous.tensors else None)
+            with DeltaReader(self, manifest) as reader:
+                words = reader.decode(name, words if name in previous.tensors else None)
         if words is None:
             raise WeightsError(f"version {version} has no tensor {name}")
         return words

@@ -99,23 +99,18 @@ def _render(fig: Figure, label: str) -> str:
     return svg.replace("<svg ", f'<svg role="img" aria-label="{label}" class="chart" ', 1)
 
 
-def _legend(
-    ax: Axes, handles: list[Any] | None = None, labels: list[str] | None = None, title: str | None = None
-) -> None:
+def _legend(ax: Axes, handles: list[Any] | None = None, labels: list[str] | None = None) -> None:
     """One row of legend above the plot (the card around the chart carries its title)."""
-    if handles is None:
+    if handles is None or labels is None:
         handles, labels = ax.get_legend_handles_labels()
     ax.legend(
         handles,
         labels,
-        title=title,
         loc="lower left",
         bbox_to_anchor=(0.0, 1.01),
         ncols=max(len(handles), 1),
         frameon=False,
         fontsize=8,
-        title_fontsize=8,
-        alignment="left",
     )
 
 

@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 
 from ingest.db import session_factory, transaction
 from ingest.tables import SessionRow, SignalRow
+from policy.tables import PolicyVersionRow
 from reward_models.tables import RewardModelRow
 from scheduler.api.schemas import Job, PolicyVersion
 from scheduler.tables import BorrowEventRow, JobRow, LeaseRow
@@ -380,25 +381,47 @@ def _weight_manifests(settings: Settings) -> list[dict[str, Any]]:
 
 
 def _all_policy_versions(session: Session, settings: Settings) -> list[PolicyVersion]:
-    """Every known policy version, newest first: those in the weight store (parent, step, time)
-    and those seen only in telemetry (served by an engine this store did not produce)."""
+    """Every known policy version, newest first: the trainer's ``policy_versions`` rows (lineage,
+    step, data window, staleness, metrics), completed by the weight store's manifests (hash,
+    snapshot or delta) and by telemetry (sessions served); a version seen only in telemetry was
+    served by weights this deployment did not train."""
     serving = {t.version: t.pool for t in session.scalars(select(TargetRow))}
     out: dict[str, PolicyVersion] = {}
+
+    def status(version: str, default: str) -> str:
+        return f"serving ({serving[version]})" if version in serving else default
+
+    for row in session.scalars(select(PolicyVersionRow)):
+        out[row.version_id] = PolicyVersion(
+            version=row.version_id,
+            parent=row.parent_id,
+            created_at=_aware(row.created_at),
+            step=row.step,
+            status=status(row.version_id, "trained"),
+            info={
+                "metrics": dict(row.metrics or {}),
+                "data_start": _aware(row.data_start).isoformat() if row.data_start else None,
+                "data_end": _aware(row.data_end).isoformat() if row.data_end else None,
+                "num_samples": row.num_samples,
+                "num_dropped_stale": row.num_dropped_stale,
+                "staleness_mean": row.staleness_mean,
+                "staleness_max": row.staleness_max,
+            },
+        )
     for m in _weight_manifests(settings):
         meta: dict[str, Any] = m["meta"] if isinstance(m.get("meta"), dict) else {}
         version = m["version"]
+        stored = {"seq": m.get("seq"), "version_hash": m.get("version_hash"), "has_full": bool(m.get("full"))}
+        if version in out:
+            out[version].info["weights"] = stored
+            continue
         out[version] = PolicyVersion(
             version=version,
             parent=m.get("parent"),
             created_at=_parse_time(m.get("created_at")),
             step=meta.get("step") if isinstance(meta.get("step"), int) else None,
-            status=f"serving ({serving[version]})" if version in serving else "stored",
-            info={
-                "seq": m.get("seq"),
-                "version_hash": m.get("version_hash"),
-                "meta": meta,
-                "has_full": bool(m.get("full")),
-            },
+            status=status(version, "stored"),
+            info={"weights": stored, "meta": meta},
         )
     seen = session.execute(
         select(SessionRow.policy_version, func.min(SessionRow.occurred_at), func.count()).group_by(
@@ -410,9 +433,12 @@ def _all_policy_versions(session: Session, settings: Settings) -> list[PolicyVer
         if version in out:
             out[version].info.update(info)
         else:
-            status = f"serving ({serving[version]})" if version in serving else "seen in telemetry"
             out[version] = PolicyVersion(
-                version=version, parent=None, created_at=_aware(first), status=status, info=info
+                version=version,
+                parent=None,
+                created_at=_aware(first),
+                status=status(version, "seen in telemetry"),
+                info=info,
             )
     far_past = datetime.min.replace(tzinfo=UTC)
     return sorted(out.values(), key=lambda p: (p.created_at or far_past, p.version), reverse=True)
@@ -442,14 +468,17 @@ def policy_lineage(session: Session, settings: Settings, version: str) -> list[s
 
 # Proxy vs real (reward-hacking guard) ------------------------------------------------------------
 
-_GUARD_CACHE: dict[tuple[Any, ...], dict[str, Any]] = {}
+_GUARD_CACHE: dict[str, tuple[tuple[Any, ...], float, dict[str, Any]]] = {}
 
 
 def divergence(session: Session, settings: Settings) -> dict[str, Any]:
     """The reward-hacking guard (:func:`reward_models.api.hacking_check`) on the stored data: per
     policy version the promoted reward model's mean score (proxy) and the mean final retention
     (real), and whether the proxy rose while retention fell. Recomputed only when the promoted
-    model or the counts of sessions and retention reports change."""
+    model changes, or when the counts of sessions and retention reports changed and the last
+    verdict is older than ``api.guard_refresh_s`` (scoring every session takes a while)."""
+    import time
+
     from reward_models.registry import current_promoted
 
     engine = session.get_bind()
@@ -462,33 +491,44 @@ def divergence(session: Session, settings: Settings) -> dict[str, Any]:
             "reward_model": None,
             "versions": [],
         }
+    url = str(engine.url)
     key = (
-        str(engine.url),
         promoted.version,
         session.scalar(select(func.count()).select_from(SessionRow)),
         session.scalar(select(func.count()).where(SignalRow.type == "code.retained")),
     )
-    if key not in _GUARD_CACHE:
+    cached = _GUARD_CACHE.get(url)
+    fresh = cached is not None and (
+        cached[0] == key or (cached[0][0] == key[0] and time.monotonic() - cached[1] < settings.api.guard_refresh_s)
+    )
+    if not fresh:
         from reward_models.api import hacking_check
+        from reward_models.registry import CorruptArtifact
 
-        report = hacking_check(engine, settings.rewards, version=promoted.version)
+        try:
+            report = hacking_check(engine, settings.rewards, version=promoted.version)
+        except CorruptArtifact as exc:  # say so on the dashboard instead of failing the page
+            return {"flagged": False, "reason": str(exc), "reward_model": promoted.version, "versions": []}
         last = report.versions[-1]["policy_version"] if report.versions else None
-        _GUARD_CACHE.clear()
-        _GUARD_CACHE[key] = {
-            "flagged": report.flagged,
-            "reason": report.reason,
-            "reward_model": promoted.version,
-            "proxy_rise": report.proxy_rise,
-            "real_drop": report.real_drop,
-            "versions": [
-                {
-                    "policy_version": v["policy_version"],
-                    "proxy": v["proxy"],
-                    "real": v["real"],
-                    "n": v["sessions"],
-                    "flagged": report.flagged and v["policy_version"] == last,
-                }
-                for v in report.versions
-            ],
-        }
-    return _GUARD_CACHE[key]
+        _GUARD_CACHE[url] = (
+            key,
+            time.monotonic(),
+            {
+                "flagged": report.flagged,
+                "reason": report.reason,
+                "reward_model": promoted.version,
+                "proxy_rise": report.proxy_rise,
+                "real_drop": report.real_drop,
+                "versions": [
+                    {
+                        "policy_version": v["policy_version"],
+                        "proxy": v["proxy"],
+                        "real": v["real"],
+                        "n": v["sessions"],
+                        "flagged": report.flagged and v["policy_version"] == last,
+                    }
+                    for v in report.versions
+                ],
+            },
+        )
+    return _GUARD_CACHE[url][2]

@@ -29,7 +29,7 @@ def api(
 
 @tokens_app.command("create")
 def create(
-    name: str | None = typer.Option(None, "--name", help="Who or what uses it (shown in the audit log); default: generated."),
+    name: str | None = typer.Option(None, "--name", help="Who uses it (shown in the audit log); default: generated."),
     role: str = typer.Option("viewer", "--role", help="viewer (reads) or operator (also triggers and deploys)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:

@@ -145,8 +145,12 @@ def broker(port: int = typer.Option(0, help="Port on 127.0.0.1 (default: a free 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     with embedded:
-        create_topics(embedded.bootstrap, {settings.kafka.topic: settings.kafka.partitions, settings.kafka.dlq_topic: 1})
-        typer.echo(f"Kafka broker on {embedded.bootstrap} (state in {home / 'broker.json'}); Ctrl-C stops it.", err=True)
+        create_topics(
+            embedded.bootstrap, {settings.kafka.topic: settings.kafka.partitions, settings.kafka.dlq_topic: 1}
+        )
+        typer.echo(
+            f"Kafka broker on {embedded.bootstrap} (state in {home / 'broker.json'}); Ctrl-C stops it.", err=True
+        )
         while not stop.wait(1.0):
             if embedded.process is None or embedded.process.poll() is not None:
                 raise SystemExit("The embedded broker exited; see its log in " + str(home / "broker.log"))

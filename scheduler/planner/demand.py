@@ -11,7 +11,8 @@ Serving capacity has to cover the arrival rate over every short interval ``tau``
   (independent clients add variances; with per-client data each client is drawn on its own
   and the draws summed). It is capped at ``m^2 (k - 1)``, the variance of a
   window whose every arrival lands in one of its ``k`` intervals (heavy-tailed clients in the
-  ServeGen data reach a CV of 100 and more).
+  ServeGen data reach a CV of 100 and more), and each draw is cut at that same bound (one
+  interval cannot hold more than the window's arrivals: the gamma tail would exceed it).
 
 Each interval's rate is drawn from a gamma distribution with that mean and variance (moment
 matching keeps it non-negative and right-skewed like bursty traffic). The draw is seeded, so a

@@ -74,6 +74,22 @@ class Trace:
             None if self.client_dispersion is None else np.roll(self.client_dispersion, -steps, axis=1),
         )
 
+    def days(self, first: int, last: int) -> Trace:
+        """Whole days ``first`` (inclusive) to ``last`` (exclusive) of the trace, a held-out subset."""
+        a, b = first * self.windows_per_day, min(len(self), last * self.windows_per_day)
+        if not 0 <= a < b:
+            have = len(self) / self.windows_per_day
+            raise TraceError(f"{self.source}: has {have:.1f} days; days {first}..{last} is empty")
+        return Trace(
+            self.window_s,
+            self.start_s[a:b],
+            self.rate[a:b],
+            self.dispersion[a:b],
+            f"{self.source} (days {first}-{last})",
+            None if self.client_rate is None else self.client_rate[:, a:b],
+            None if self.client_dispersion is None else self.client_dispersion[:, a:b],
+        )
+
 
 def _number(text: str, where: str, column: str) -> float:
     try:

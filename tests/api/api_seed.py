@@ -310,11 +310,37 @@ def seed_jobs(engine: Engine, now: datetime) -> list[str]:
     return ids
 
 
+def seed_policy_versions(engine: Engine, home: Path, start: datetime, end: datetime) -> None:
+    """The trainer's rows for v0..v3 (through :func:`policy.versions.record_version`), each trained
+    on the telemetry served by its parent; a checkpoint directory holds only its ``config.json``."""
+    from policy.versions import record_version
+
+    step = (end - start) / len(VERSIONS)
+    for n, version in enumerate(VERSIONS):
+        checkpoint = home / "checkpoints" / version
+        checkpoint.mkdir(parents=True, exist_ok=True)
+        (checkpoint / "config.json").write_text('{"model_type": "qwen3_moe"}')
+        record_version(
+            engine,
+            version=version,
+            parent=VERSIONS[n - 1] if n else None,
+            step=10 * n,
+            checkpoint_path=checkpoint,
+            metrics={"loss/policy": round(0.9 - 0.1 * n, 3), "eval/heldout_retention": QUALITY[version]},
+            num_samples=120 * n,
+            staleness_mean=0.4 if n else None,
+            staleness_max=1 if n else None,
+            data_start=start + step * (n - 1) if n else None,
+            data_end=start + step * n if n else None,
+        )
+
+
 def seed_all(engine: Engine, home: Path, n_sessions: int = 600) -> Seeded:
     """Every kind of row the dashboards read (reward-model artifacts go under ``home``)."""
     now = datetime.now(UTC)
     seeded = seed_telemetry(engine, n_sessions=n_sessions, now=now)
     seed_fleet(engine, now)
+    seed_policy_versions(engine, home, seeded.start, seeded.end)
     seeded.reward_models = seed_reward_models(engine, home, seeded.end)
     seeded.borrow_windows = seed_borrowing(engine, seeded.start, seeded.end)
     seeded.jobs = seed_jobs(engine, now)

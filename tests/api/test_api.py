@@ -193,11 +193,17 @@ def test_borrowing_timeline_and_policy_versions(client: TestClient, tokens: dict
     assert client.get("/api/v1/fleet/borrowing", params={"pool": "elsewhere"}, headers=h).json() == []
     versions = client.get("/api/v1/policy-versions", headers=h).json()
     assert [v["version"] for v in versions["items"]] == ["v3", "v2", "v1", "v0"]
-    assert versions["items"][0]["status"] == "serving (default)"
+    assert [v["status"] for v in versions["items"]] == ["serving (default)", "trained", "trained", "trained"]
+    assert [v["parent"] for v in versions["items"]] == ["v2", "v1", "v0", None]
     assert sum(v["info"]["sessions"] for v in versions["items"]) == seeded.sessions
+    assert (
+        client.get("/api/v1/policy-versions", params={"limit": 1, "offset": 3}, headers=h).json()["items"][0]["step"]
+        == 0
+    )
     metrics = client.get("/api/v1/policy-versions/v3/metrics", headers=h).json()["metrics"]
+    assert metrics["eval/heldout_retention"] == 0.7 and metrics["loss/policy"] == 0.6
     assert metrics["online/acceptance"]["n"] > 0 and "online/retention@86400s" in metrics
-    assert client.get("/api/v1/policy-versions/v3/lineage", headers=h).json()["chain"] == ["v3"]
+    assert client.get("/api/v1/policy-versions/v3/lineage", headers=h).json()["chain"] == ["v0", "v1", "v2", "v3"]
     assert client.get("/api/v1/policy-versions/v9", headers=h).status_code == 404
 
 
@@ -273,11 +279,11 @@ def test_oversized_bodies_are_refused(client: TestClient, tokens: dict[str, str]
 
 
 def test_rate_limit_per_token(app_factory, tokens: dict[str, str]) -> None:  # type: ignore[no-untyped-def]
-    with TestClient(app_factory(rate_limit_per_minute=60, rate_limit_burst=5)) as c:
+    with TestClient(app_factory(rate_limit_per_minute=1, rate_limit_burst=5)) as c:
         codes = [c.get("/api/v1/fleet/states", headers=auth(tokens["viewer"])).status_code for _ in range(7)]
         assert codes[:5] == [200] * 5 and codes[5:] == [429, 429]
         limited = c.get("/api/v1/fleet/states", headers=auth(tokens["viewer"]))
-        assert limited.status_code == 429 and int(limited.headers["retry-after"]) >= 1
+        assert limited.status_code == 429 and 1 <= int(limited.headers["retry-after"]) <= 60
         # Another token has its own bucket; static assets are never limited.
         assert c.get("/api/v1/fleet/states", headers=auth(tokens["operator"])).status_code == 200
         assert c.get("/static/style.css").status_code == 200
@@ -332,3 +338,28 @@ def _has_kombu(conn: object) -> bool:
     from sqlalchemy import inspect
 
     return "kombu_message" in inspect(conn).get_table_names()
+
+
+def test_login_logout_are_audited_and_the_cookie_only_reads(client: TestClient, tokens: dict[str, str]) -> None:
+    bad = client.post("/login", data={"token": "ut_nope", "next": "/fleet"}, follow_redirects=False)
+    assert bad.status_code == 401 and "Unknown or revoked token" in bad.text
+    good = client.post(
+        "/login", data={"token": tokens["viewer"], "next": "https://evil.example/"}, follow_redirects=False
+    )
+    assert good.status_code == 303 and good.headers["location"] == "/"
+    cookie = good.headers["set-cookie"].lower()
+    assert "httponly" in cookie and "samesite=strict" in cookie
+    assert client.get("/fleet").status_code == 200  # the cookie reads dashboards
+    # ... but never authorizes an API call, not even for an operator's token.
+    client.cookies.clear()
+    client.cookies.set("undertow_session", tokens["operator"])
+    assert client.post("/api/v1/retrains", json={"kind": "reward_model"}).status_code == 401
+    assert client.get("/api/v1/fleet/states").status_code == 401
+    out = client.post("/logout", follow_redirects=False)
+    assert out.status_code == 303 and 'undertow_session=""' in out.headers["set-cookie"]
+    client.cookies.clear()
+    assert client.get("/fleet", follow_redirects=False).headers["location"] == "/login?next=%2Ffleet"
+    entries = client.get("/api/v1/audit", params={"limit": 500}, headers=auth(tokens["operator"])).json()["items"]
+    logins = [(e["action"], e["actor"], e["status_code"]) for e in entries if e["action"] in ("login", "logout")]
+    assert ("login", "anonymous", 401) in logins and ("login", "test-viewer", 303) in logins
+    assert ("logout", "test-operator", 303) in logins

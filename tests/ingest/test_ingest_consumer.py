@@ -79,7 +79,9 @@ def test_bad_input_goes_to_dead_letters_and_partition_keeps_flowing(
 def test_duplicates_and_early_signals(
     engine: Any, broker: Any, kafka_cfg: KafkaConfig, ingest_cfg: IngestConfig, producer: Any
 ) -> None:
-    retained = signal_event("ret-1", "code.retained", "sess-7-5", {"horizon_s": 300, "lines_written": 4, "lines_retained": 3})
+    retained = signal_event(
+        "ret-1", "code.retained", "sess-7-5", {"horizon_s": 300, "lines_written": 4, "lines_retained": 3}
+    )
     thumbs = signal_event("thumb-1", "feedback.thumbs", "sess-7-5", {"value": -1})
     for event in (retained, thumbs, retained, session_event(5), session_event(5), thumbs):
         producer.send(event)
@@ -105,7 +107,9 @@ def test_duplicates_and_early_signals(
         assert (row.horizon_s, row.value, row.session_id) == (300, 0.75, "sess-7-5")
 
 
-def test_replay_after_fix(engine: Any, broker: Any, kafka_cfg: KafkaConfig, ingest_cfg: IngestConfig, producer: Any) -> None:
+def test_replay_after_fix(
+    engine: Any, broker: Any, kafka_cfg: KafkaConfig, ingest_cfg: IngestConfig, producer: Any
+) -> None:
     small = kafka_cfg.model_copy(update={"max_message_bytes": 400})
     producer.send(session_event(8))
     producer.send(session_event(9))
@@ -128,7 +132,9 @@ def test_replay_after_fix(engine: Any, broker: Any, kafka_cfg: KafkaConfig, inge
     assert (third.stored, third.duplicates) == (0, 1)
 
 
-def test_once_on_an_empty_topic_exits(engine: Any, broker: Any, kafka_cfg: KafkaConfig, ingest_cfg: IngestConfig) -> None:
+def test_once_on_an_empty_topic_exits(
+    engine: Any, broker: Any, kafka_cfg: KafkaConfig, ingest_cfg: IngestConfig
+) -> None:
     started = time.monotonic()
     result = consume_once(engine, broker, kafka_cfg, ingest_cfg)
     assert result.records == 0
@@ -146,8 +152,14 @@ def test_group_consumer_stops_cleanly_and_resumes_from_stored_offsets(
         producer.send(session_event(1000 + i))
     producer.flush()
     seen: list[int] = []
-    consumer = IngestConsumer(engine, broker.bootstrap, kafka_cfg, ingest_cfg, mode="group",
-                              on_commit=lambda report: seen.append(report.stored))
+    consumer = IngestConsumer(
+        engine,
+        broker.bootstrap,
+        kafka_cfg,
+        ingest_cfg,
+        mode="group",
+        on_commit=lambda report: seen.append(report.stored),
+    )
     thread = threading.Thread(target=consumer.run, kwargs={"max_seconds": 60})
     thread.start()
     deadline = time.monotonic() + 40

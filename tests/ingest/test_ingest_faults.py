@@ -84,9 +84,7 @@ def assert_exactly_once(engine: Any, events: list[dict[str, Any]]) -> None:
 
 
 @pytest.mark.slow
-def test_kill_9_three_times_while_20000_events_stream(
-    tmp_path: Path, broker: Any, kafka_cfg: KafkaConfig
-) -> None:
+def test_kill_9_three_times_while_20000_events_stream(tmp_path: Path, broker: Any, kafka_cfg: KafkaConfig) -> None:
     kafka_cfg = kafka_cfg.model_copy(update={"partitions": 4})
     create_topics(broker.bootstrap, {kafka_cfg.topic: 4, kafka_cfg.dlq_topic: 1})
     url = f"sqlite:///{tmp_path / 'kill.db'}"
@@ -141,7 +139,9 @@ def _run_consumer(engine: Any, bootstrap: str, kafka_cfg: KafkaConfig, ingest_cf
 
 
 @pytest.mark.postgres
-def test_postgres_goes_away_mid_stream(broker: Any, kafka_cfg: KafkaConfig, ingest_cfg: IngestConfig, pg_url: str) -> None:
+def test_postgres_goes_away_mid_stream(
+    broker: Any, kafka_cfg: KafkaConfig, ingest_cfg: IngestConfig, pg_url: str
+) -> None:
     url = pg_url
     if True:
         upgrade(url)
@@ -161,11 +161,17 @@ def test_postgres_goes_away_mid_stream(broker: Any, kafka_cfg: KafkaConfig, inge
         wait_for(lambda: stored_count(direct) > len(events) // 2, 60, "progress after the outage")
         with direct.connect() as conn:  # and the server kills the consumer's sessions
             conn.execute(
-                text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database() "
-                     "AND pid <> pg_backend_pid()")
+                text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND pid <> pg_backend_pid()"
+                )
             )
         producer.join(timeout=60)
-        wait_for(lambda: stored_count(direct) >= len(events), 90, f"every event {consumer.stats} {stored_count(direct)} {thread.is_alive()}")
+        wait_for(
+            lambda: stored_count(direct) >= len(events),
+            90,
+            f"every event {consumer.stats} {stored_count(direct)} {thread.is_alive()}",
+        )
         consumer.stop()
         thread.join(timeout=30)
         assert consumer.stats.db_retries > 0

@@ -120,7 +120,11 @@ BAD_SESSIONS: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("candidate without group", _set("payload.candidate_index", 1), "validation_error"),
     ("bad logprobs_mode", _set("payload.sampling", {"logprobs_mode": "maybe"}), "validation_error"),
     ("negative latency", _set("payload.latency_ms", -1), "validation_error"),
-    ("file lines negative", _set("payload.files", [{"path": "a", "lines_added": -1, "lines_removed": 0}]), "validation_error"),
+    (
+        "file lines negative",
+        _set("payload.files", [{"path": "a", "lines_added": -1, "lines_removed": 0}]),
+        "validation_error",
+    ),
 ]
 
 

@@ -36,7 +36,7 @@ def test_idempotent_across_and_within_batches(engine: Any) -> None:
         assert s.scalar(select(func.count()).select_from(SessionRow)) == 3
         assert s.scalar(select(func.count()).select_from(SignalRow)) == 1
         dupes = s.execute(select(DuplicateRow).order_by(DuplicateRow.id)).scalars().all()
-        assert [(d.event_id, d.topic, d.partition, d.offset) for d in dupes][0] == (a.event_id, "t", 0, 11)
+        assert (dupes[0].event_id, dupes[0].topic, dupes[0].partition, dupes[0].offset) == (a.event_id, "t", 0, 11)
         assert len(dupes) == 3
 
 

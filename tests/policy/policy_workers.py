@@ -61,13 +61,14 @@ def resume_main(state_dir: str, steps: int) -> None:
 def ddp_main(out_path: str) -> None:
     import torch.distributed as dist
 
-    from policy.trainer import TrainConfig, make_optimizer, update_step
+    from policy.trainer import TrainConfig, update_step
 
     dist.init_process_group("gloo")
     model, tok = tiny_setup()
     batch = synthetic_batch(model, tok)
-    cfg = TrainConfig(lr=1e-2)
-    metrics = update_step(model, make_optimizer(model, cfg), batch, cfg)
+    cfg = TrainConfig(grad_clip=1e9)
+    # plain SGD with lr 1: the weight change is exactly the all-reduced gradient
+    metrics = update_step(model, torch.optim.SGD(model.parameters(), lr=1.0), batch, cfg)
     if dist.get_rank() == 0:
         weights = {k: v.clone() for k, v in model.state_dict().items()}
         torch.save({"loss": metrics["loss/total"], "weights": weights}, out_path)

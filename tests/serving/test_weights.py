@@ -55,10 +55,7 @@ def test_updates_write_fused_experts_in_place_and_undo_reverts(engine_model, ver
     # Snapshot path (the baseline) gets to the same bits.
     assert updater.prefetch(PrefetchRequest(to_version="v1", kind="snapshot"))["steps"] == ["full:v1"]
     updater.apply(ApplyRequest(to_version="v1", expected_hash=versions.hashes["v1"]))
-    fresh = WeightUpdater(
-        ModelParams(engine_model, versions.checkpoint, threading.Lock()), version="v1", store_url=None
-    )
-    assert fresh.hash == versions.hashes["v1"]
+    assert WeightUpdater(params, version="v1", store_url=str(versions.store)).hash == versions.hashes["v1"]
 
 
 def test_engine_loads_the_stored_bits_when_the_checkpoint_differs(versions) -> None:  # type: ignore[no-untyped-def]

@@ -5,10 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-import zstandard
 
 from policy.weights.codec import (
     LOW_DENSE,
@@ -164,9 +163,7 @@ def test_fuzz_arbitrary_bytes_only_raise_weights_error(kind: str, data: bytes) -
 
 @pytest.mark.parametrize("kind", list(_CASES))
 @settings(max_examples=200, deadline=None)
-@given(
-    flips=st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(1, 255)), min_size=1, max_size=4), data=st.data()
-)
+@given(flips=st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(1, 255)), min_size=1, max_size=4), data=st.data())
 def test_fuzz_mutated_payload_never_returns_wrong_weights(
     kind: str, flips: list[tuple[int, int]], data: st.DataObject
 ) -> None:

@@ -162,6 +162,52 @@ def test_chain_plans_cheapest_path_and_falls_back_to_snapshot(tmp_path: Path) ->
     assert [s.kind for s in report.steps][-1] == "full" and _same(live, states[4])
 
 
+def test_magnitude_classes_through_the_store(tmp_path: Path, checkpoints: list[Path]) -> None:
+    """The opt-in low-magnitude class stores smaller deltas that apply bit for bit."""
+    plain = WeightStore(tmp_path / "plain", WeightsConfig())
+    classed = WeightStore(tmp_path / "classed", WeightsConfig(magnitude_classes=True))
+    for store in (plain, classed):
+        versions = _filled(store, checkpoints[:2])
+        live = store.state_dict(versions[0])
+        apply_delta_inplace(live, store.open_delta(versions[1]), held_version=versions[0])
+        assert _same(live, _bf16(checkpoints[1]))
+    p_delta, c_delta = (s.manifest(s.latest() or "").delta for s in (plain, classed))
+    assert p_delta is not None and c_delta is not None
+    assert "classed" in {e.encoding for e in c_delta.tensors.values()}
+    assert "classed" not in {e.encoding for e in p_delta.tensors.values()}
+    assert c_delta.bytes < p_delta.bytes
+
+
+def test_rollback_plans_through_the_nearest_snapshot(tmp_path: Path) -> None:
+    """Deltas only go forward: rolling back is a snapshot at or before the target plus deltas after it."""
+    store = WeightStore(tmp_path / "w", WeightsConfig(snapshot_every=3))
+    torch.manual_seed(1)
+    state = {"w": torch.randn(64, 64).to(torch.bfloat16)}
+    versions, states = [], []
+    for _ in range(6):
+        versions.append(store.put(state).version)
+        states.append({k: v.clone() for k, v in state.items()})
+        state = {"w": state["w"].float().add(torch.randn(64, 64) * 1e-2).to(torch.bfloat16)}
+    steps = plan(store.manifests(), versions[1], versions[5])
+    assert [(s.kind, s.version) for s in steps] == [("full", versions[0]), ("delta", versions[1])]
+    live = {k: v.clone() for k, v in states[5].items()}
+    report = update(store, live, versions[5], versions[1])
+    assert report.version == versions[1] and not report.failures and _same(live, states[1])
+
+
+def test_delta_reader_reuses_and_closes_its_file(store: WeightStore, checkpoints: list[Path]) -> None:
+    versions = _filled(store, checkpoints[:2])
+    reader = store.open_delta(versions[1])
+    names = list(reader.delta.tensors)
+    first = reader.payload(names[0])
+    assert reader._handle is not None
+    reader.close()
+    assert reader._handle is None and reader.payload(names[0]) == first  # reopens on demand
+    live = store.state_dict(versions[0])
+    apply_delta_inplace(live, reader, held_version=versions[0])
+    assert reader._handle is None, "apply closes the delta file"
+
+
 def test_gc_keeps_what_replicas_need(tmp_path: Path) -> None:
     store = WeightStore(tmp_path / "w", WeightsConfig(snapshot_every=3, retain_last=1))
     state = {"w": torch.zeros(64, 64, dtype=torch.bfloat16)}

@@ -51,8 +51,7 @@ def get_version(_: ViewerDep, session: SessionDep, settings: SettingsDep, versio
 def get_metrics(_: ViewerDep, session: SessionDep, settings: SettingsDep, version: VersionPath) -> Metrics:
     """Training metrics recorded with the version, plus its online reward signals (``online/...``)."""
     found = _get(session, settings, version)
-    meta = found.info.get("meta", {})
-    metrics = dict(meta.get("metrics", {})) if isinstance(meta, dict) else {}
+    metrics = dict(found.info.get("metrics") or {})
     outcomes = analytics.load_outcomes(session, analytics.RewardFilter(policy_versions=(version,)))
     for row in analytics.summary(outcomes):
         key = f"online/{row['signal']}" + (f"@{row['horizon_s']}s" if row["horizon_s"] is not None else "")
