@@ -109,7 +109,7 @@ def decode_seconds(base: dict[str, np.ndarray], target: dict[str, np.ndarray], p
                 raise RuntimeError(f"payload of {k} changed")
             decoded[k] = decode_tensor(payload, base[k], base[k].dtype, base[k].size, expected[k])
 
-    seconds = best_of(decode, repeat=200)
+    seconds = best_of(decode, repeat=100)
     if not all(np.array_equal(decoded[k], target[k]) for k in target):
         raise RuntimeError("decoded tensors differ from the target")
     return seconds
@@ -156,7 +156,7 @@ def measure(base: dict[str, torch.Tensor], target: dict[str, torch.Tensor]) -> d
         for k, w in target_w.items():
             np.copyto(buffers[k], w)
 
-    memcpy_s = best_of(memcpy, repeat=200)
+    memcpy_s = best_of(memcpy, repeat=100)
     return {
         "full_bytes": full,
         "xor_zstd_bytes": xor_zstd,

@@ -142,7 +142,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     parser.add_argument("--home", default=".undertow", help="Undertow home holding policy/v0000")
     parser.add_argument("--rl-steps", type=int, default=4, help="offline RL steps for the held-out gain")
-    parser.add_argument("--sft-steps", type=int, default=300, help="warm-up steps when no v0 exists")
+    parser.add_argument("--sft-steps", type=int, default=400, help="warm-up steps when no v0 exists")
     parser.add_argument("--per-tier", type=int, default=16, help="held-out tasks per tier in the evaluation")
     args = parser.parse_args()
     torch.set_num_threads(1)

@@ -76,6 +76,10 @@ class ConsumerStats:
     dead_letters: int = 0
     batches: int = 0
     db_retries: int = 0
+    first_record_s: float | None = None
+    """``time.monotonic()`` when the first records arrived (rates exclude connection set-up)."""
+    last_commit_s: float | None = None
+    """``time.monotonic()`` after the last committed batch."""
 
 
 def _is_transient(exc: BaseException) -> bool:
@@ -261,6 +265,8 @@ class IngestConsumer:
         batch = self._consumer.poll(timeout_ms=self.cfg.poll_timeout_ms, max_records=self.cfg.batch_size)
         records = [r for part in batch.values() for r in part]
         if records:
+            if self.stats.first_record_s is None:
+                self.stats.first_record_s = time.monotonic()
             self._process(records, cluster)
             return False
         if once and self._caught_up():
@@ -303,6 +309,7 @@ class IngestConsumer:
         if result is None:  # stopped while the database was away: nothing committed, nothing lost
             return
         committed_at = time.time()
+        self.stats.last_commit_s = time.monotonic()
         self.stats.records += len(records)
         self.stats.stored += result.stored
         self.stats.duplicates += result.duplicates

@@ -35,11 +35,11 @@ class PolicyConfig(BaseModel):
     """Where the trainer writes version checkpoints and its resumable state (relative: under the home)."""
     seed: int = 0
     """Seed of the warm-up and of offline RL (same seed, same weights, bit for bit on CPU)."""
-    sft_steps: int = Field(default=600, ge=1)
+    sft_steps: int = Field(default=400, ge=1)
     """Optimizer steps of the supervised warm-up that produces v0."""
-    rl_steps_per_version: int = Field(default=8, ge=1)
+    rl_steps_per_version: int = Field(default=4, ge=1)
     """Optimizer steps between two policy versions."""
-    rl_lr: float = Field(default=2e-3, gt=0)
+    rl_lr: float = Field(default=3e-4, gt=0)
     """AdamW learning rate of the RL update."""
     advantage: str = "grpo"
     """Advantage estimator: ``grpo``, ``reinforce`` (group mean or running baseline) or ``rloo``."""

@@ -31,6 +31,7 @@ replaced once per model by :func:`install_routing`; per-thread state makes concu
 
 from __future__ import annotations
 
+import inspect
 import threading
 import types
 from collections.abc import Sequence
@@ -184,6 +185,11 @@ def score_tokens(
     )
 
 
+def _cache_kwarg(model: PreTrainedModel) -> str:
+    """``cache`` on transformers releases that renamed ``past_key_values``, else the old name."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def _sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> torch.Tensor:
     """Sample one token per row from ``logits`` with temperature and nucleus (top-p) filtering."""
     if temperature <= 0:
@@ -239,9 +245,8 @@ def sample_batch(
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     alive = [True] * n
     with torch.no_grad():
-        cache = DynamicCache()
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True).logits
-        logits = logits[:, -1]
+        kv: dict[str, Any] = {_cache_kwarg(model): DynamicCache(), "use_cache": True}
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, **kv).logits[:, -1]
         for step in range(max_tokens):
             nxt = _sample(logits, temperature, top_p, gen)
             for i in range(n):
@@ -255,9 +260,7 @@ def sample_batch(
                 break
             mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.int64)], dim=1)
             positions = positions[:, -1:] + 1
-            logits = model(
-                input_ids=nxt[:, None], attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
-            ).logits[:, -1]
+            logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=positions, **kv).logits[:, -1]
     return list(zip(outputs, finish, strict=True))
 
 

@@ -38,9 +38,9 @@ class SFTConfig:
 
     preset: str = "tiny"
     seed: int = 0
-    steps: int = 600
+    steps: int = 400
     batch_size: int = 32
-    lr: float = 3e-3
+    lr: float = 5e-3
     warmup_steps: int = 30
     weight_decay: float = 0.01
     max_seconds: float | None = None

@@ -56,10 +56,10 @@ class TrainConfig:
 
     seed: int = 0
     steps: int = 20
-    lr: float = 2e-3
+    lr: float = 3e-4
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    tasks_per_step: int = 16
+    tasks_per_step: int = 8
     group_size: int = 6
     temperature: float = 1.0
     max_tokens: int = 48

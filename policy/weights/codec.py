@@ -293,7 +293,9 @@ class _Reader:
         positions = _positions(self.section(changes), self.section(4 * escapes), escapes, limit)
         values = self.words(dtype, changes)
         if changes:
-            out[positions if index is None else index[positions]] ^= values
+            where = positions if index is None else index[positions]
+            values ^= out.take(where)  # take + assign beats the read-modify-write of ``out[where] ^= values``
+            out[where] = values
 
 
 def _positions(steps: bytes, escapes: bytes, count: int, limit: int) -> np.ndarray:

@@ -85,7 +85,8 @@ def diff(
         target = store.words(b, name, chain_b)
         base = store.words(a, name, chain_a) if old and old.dtype == meta.dtype and old.shape == meta.shape else None
         changed = int(np.count_nonzero(base ^ target)) if base is not None else target.size
-        encoded = encode_tensor(base, target, magnitude_mask(meta.dtype), level=store.config.zstd_level)
+        mask = magnitude_mask(meta.dtype) if store.config.magnitude_classes else None
+        encoded = encode_tensor(base, target, mask, level=store.config.zstd_level)
         rows.append(
             {
                 "tensor": name,

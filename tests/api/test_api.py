@@ -4,9 +4,10 @@ matches what was stored, filters, redaction of prompts and code, hostile input."
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 
 import pytest
-from api_seed import SECRET_CODE, SECRET_PROMPT, Seeded, auth
+from api_seed import SECRET_CODE, SECRET_PROMPT, Seeded, auth, make_settings
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 from sqlalchemy.engine import Engine
@@ -363,3 +364,30 @@ def test_login_logout_are_audited_and_the_cookie_only_reads(client: TestClient, 
     logins = [(e["action"], e["actor"], e["status_code"]) for e in entries if e["action"] in ("login", "logout")]
     assert ("login", "anonymous", 401) in logins and ("login", "test-viewer", 303) in logins
     assert ("logout", "test-operator", 303) in logins
+
+
+def test_policy_versions_read_the_weight_store(
+    tmp_path: Path, shared_url: str, api_engine: Engine, tokens: dict[str, str]
+) -> None:
+    """Versions in the weight store (written by the policy layer's own store) join the list with
+    their hash; one the trainer never recorded appears with the store's parent and step."""
+    import torch
+
+    from policy.weights import WeightStore
+    from scheduler.api.app import create_app
+
+    app = create_app(make_settings(tmp_path, shared_url), engine=api_engine)  # a home (and store) of its own
+    settings = app.state.settings
+    store = WeightStore(settings.home / settings.policy.weights_url, settings.policy.weights)
+    torch.manual_seed(0)
+    base = {"w": torch.randn(4, 4, dtype=torch.bfloat16)}
+    store.put(base, version="v3", parent=None, full=True, meta={"step": 30})
+    store.put({"w": base["w"] + 1}, version="v4-hotfix", parent="v3", meta={"step": 31})
+    with TestClient(app) as c:
+        h = auth(tokens["viewer"])
+        v3 = c.get("/api/v1/policy-versions/v3", headers=h).json()
+        assert v3["info"]["weights"]["has_full"] and len(v3["info"]["weights"]["version_hash"]) > 16
+        hotfix = c.get("/api/v1/policy-versions/v4-hotfix", headers=h).json()
+        assert hotfix["parent"] == "v3" and hotfix["step"] == 31 and hotfix["status"] == "stored"
+        chain = c.get("/api/v1/policy-versions/v4-hotfix/lineage", headers=h).json()["chain"]
+        assert chain == ["v0", "v1", "v2", "v3", "v4-hotfix"]
