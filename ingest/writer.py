@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import operator
+import sqlite3
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -24,6 +25,7 @@ from typing import Any, cast
 
 from sqlalchemy import JSON, DateTime, Table, select, union_all
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from ingest import schemas
@@ -116,10 +118,13 @@ def _sqlite_executemany(session: Session, table: Table, rows: list[dict[str, Any
     params = list(zip(*columns, strict=True))
     names = ", ".join(f'"{c}"' for c in cols)
     marks = ", ".join("?" * len(cols))
+    statement = f'{verb} INTO "{table.name}" ({names}) VALUES ({marks})'
     cursor = session.connection().connection.driver_connection.cursor()  # type: ignore[union-attr]
     try:
-        cursor.executemany(f'{verb} INTO "{table.name}" ({names}) VALUES ({marks})', params)
+        cursor.executemany(statement, params)
         return int(cursor.rowcount)
+    except sqlite3.Error as exc:  # as SQLAlchemy would raise it (OperationalError: locked, I/O, ...)
+        raise DBAPIError.instance(statement, None, exc, sqlite3.Error) from exc
     finally:
         cursor.close()
 

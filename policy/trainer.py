@@ -12,7 +12,9 @@ summed with an all-reduce before the step (data parallel; the loss is normalised
 Rollouts with zero advantage are skipped when no KL or entropy term needs them (they carry no
 policy gradient; DAPO's dynamic sampling drops such groups for the same reason).
 
-Offline mode (:func:`train_offline`) samples its own rollouts on the task family, seeded by
+Online mode (:func:`train_on_rollouts`) takes scored production rollouts (see
+:func:`policy.rollouts.rollouts_from_sessions`), drops and counts stale ones, and steps once per
+batch of whole candidate groups. Offline mode (:func:`train_offline`) samples its own rollouts on the task family, seeded by
 ``(seed, step)`` only, and saves a resumable state (weights, optimizer, baseline, step) every
 ``save_every`` steps; a run killed and resumed ends with bit-identical weights to an
 uninterrupted run, and two runs with one seed produce bit-identical weights (CPU, same threads).
@@ -43,7 +45,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from policy.advantages import RunningBaseline, compute_advantages
 from policy.forward import forward_tokens, routers
 from policy.losses import LossConfig, LossInputs, load_balancing_loss, policy_loss
-from policy.rollouts import Rollout, rollouts_from_tasks
+from policy.rollouts import Rollout, StalenessStats, filter_stale, rollouts_from_tasks
 from policy.tasks import train_tasks
 
 log = structlog.get_logger(__name__)
@@ -244,6 +246,38 @@ def train_offline(
     summary["train/seconds"] = time.monotonic() - started
     summary["train/step"] = float(step)
     return summary
+
+
+def train_on_rollouts(
+    model: PreTrainedModel,
+    rollouts: list[Rollout],
+    cfg: TrainConfig,
+    *,
+    current_version: int,
+    batch_rollouts: int = 48,
+    baseline: RunningBaseline | None = None,
+) -> tuple[dict[str, float], StalenessStats]:
+    """Online path: drop stale rollouts (counted), then one step per batch of whole groups.
+
+    Rollouts of one candidate group always land in the same batch (group advantages need all
+    members). Returns mean metrics over the steps and the staleness statistics for the version row.
+    """
+    kept, stats = filter_stale(rollouts, current_version, cfg.max_staleness)
+    by_group: dict[str, list[Rollout]] = {}
+    for i, r in enumerate(kept):
+        by_group.setdefault(r.group_id or f"_single{i}", []).append(r)
+    batches: list[list[Rollout]] = [[]]
+    for members in by_group.values():
+        if batches[-1] and len(batches[-1]) + len(members) > batch_rollouts:
+            batches.append([])
+        batches[-1].extend(members)
+    opt = make_optimizer(model, cfg)
+    baseline = baseline if baseline is not None else RunningBaseline()
+    history = [update_step(model, opt, b, cfg, baseline=baseline) for b in batches if b]
+    metrics = {k: float(np.mean([h[k] for h in history])) for k in (history[0] if history else {})}
+    metrics["train/steps"] = float(len(history))
+    metrics["staleness/dropped"] = float(stats.dropped)
+    return metrics, stats
 
 
 def _jsonable(cfg: TrainConfig) -> dict[str, Any]:

@@ -81,9 +81,9 @@ class SchedulerConfig(BaseModel):
     """Baseline: local hour the fixed nightly borrowing window closes."""
     pools: list[PoolConfig] = Field(default_factory=lambda: [PoolConfig()])
     """Serving pools the scheduler may borrow from."""
-    fleet_control: str = "serving.fleet:fleet_control"
+    fleet_control: str = "serving.control:fleet_control"
     """``module:function`` building the fleet control (drain, sleep, wake, verify, rejoin) from the settings."""
-    rl_trainer: str = "policy.trainer:trainer_session"
+    rl_trainer: str = "policy.production:trainer_session"
     """``module:function`` building a preemptible RL trainer session from the settings and the run's inputs."""
     steps: dict[str, str] = Field(default_factory=dict)
     """Overrides of loop steps by name (``collect``, ``retrain``, ``snapshot``, ...): ``module:function``."""
@@ -95,6 +95,8 @@ class SchedulerConfig(BaseModel):
     """Delay before a preempted training job is retried (it resumes from its checkpoint)."""
     training_replicas: int = Field(default=1, ge=1)
     """Most replicas one RL update borrows."""
+    clock_speedup: float = Field(default=1.0, gt=0)
+    """Simulated seconds per wall second of the fleet's clock (1 in production; the demo replays a day in minutes)."""
 
 
 class ApiConfig(BaseModel):

@@ -18,7 +18,7 @@ from sqlalchemy.engine import Engine
 
 from ingest.db import session_factory
 from ingest.tables import DeadLetterRow, SessionRow, SignalRow
-from scheduler.api import sources
+from scheduler.api import queue, sources
 from scheduler.api.analytics import db_time
 
 
@@ -77,7 +77,7 @@ class UndertowCollector(Collector):
             yield dead
 
             jobs = GaugeMetricFamily("undertow_jobs", "Jobs by kind and state.", labels=["kind", "state"])
-            for (kind, state), count in sources.job_state_counts(session).items():
+            for (kind, state), count in queue.job_state_counts(session).items():
                 jobs.add_metric([kind, state], count)
             yield jobs
 

@@ -11,7 +11,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ingest.tables import DeadLetterRow, SessionRow, SignalRow
-from scheduler.api import analytics, charts, sources
+from scheduler.api import analytics, charts, queue, sources
 from scheduler.settings import Settings
 
 WINDOWS = {"1h": 3600, "6h": 6 * 3600, "24h": 86400, "7d": 7 * 86400, "30d": 30 * 86400, "all": None}
@@ -47,7 +47,7 @@ def _guard(session: Session, settings: Settings) -> dict[str, Any]:
 
 def _jobs(session: Session, limit: int) -> tuple[list[Any], str | None]:
     try:
-        return sources.list_jobs(session, kind=None, state=None, limit=limit, offset=0)[0], None
+        return queue.list_jobs(session, kind=None, state=None, limit=limit, offset=0)[0], None
     except sources.Unavailable as exc:
         return [], str(exc)
 

@@ -22,7 +22,7 @@ from ingest.tables import SegmentRow, SessionRow
 from policy.forward import score_tokens
 from policy.model import build_model, save_checkpoint
 from policy.rollouts import Rollout, filter_stale, rollouts_from_sessions, version_number
-from policy.trainer import STATE_FILE, TrainConfig, make_optimizer, train_offline, update_step
+from policy.trainer import STATE_FILE, TrainConfig, make_optimizer, train_offline, train_on_rollouts, update_step
 from policy.versions import latest_version, list_versions, record_version
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -128,10 +128,11 @@ def test_rollouts_from_database_sessions_replay_exactly(engine, tiny, tokenizer)
         )
     assert dropped == 0 and [r.session_id for r in rollouts] == ["s1", "s2"]
     assert all(r.routed_experts is not None and r.policy_version == 3 for r in rollouts)
-    cfg = TrainConfig()
-    kept, stats = filter_stale(rollouts, current=4, max_staleness=cfg.max_staleness)
-    metrics = update_step(tiny, make_optimizer(tiny, cfg), kept, cfg)
-    assert metrics["gap/max_abs_logprob"] == 0.0 and stats.mean == 1.0
+    metrics, stats = train_on_rollouts(tiny, rollouts, TrainConfig(), current_version=4)
+    assert metrics["gap/max_abs_logprob"] == 0.0 and metrics["train/steps"] == 1.0
+    assert stats.kept == 2 and stats.mean == 1.0 and stats.dropped == 0
+    _, stale = train_on_rollouts(tiny, rollouts, TrainConfig(max_staleness=0), current_version=4)
+    assert stale.dropped == 2 and stale.kept == 0
 
 
 def test_version_rows_record_lineage(engine, tiny, tokenizer, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

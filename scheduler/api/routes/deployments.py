@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, HTTPException, Path, Query, Request, status
 
-from scheduler.api import sources
+from scheduler.api import queue, sources
 from scheduler.api.deps import EngineDep, OperatorDep, SessionDep, ViewerDep, audit
 from scheduler.api.schemas import NAME_PATTERN, ActionRequest, Deployment, Job, Page, PoolStatus, RolloutRequest
 
@@ -55,7 +55,7 @@ def get_deployment(_: ViewerDep, session: SessionDep, deployment_id: DeploymentP
 
 def _submit(request: Request, engine: EngineDep, kind: str, params: dict[str, object], actor: str) -> Job:
     try:
-        job = sources.submit_job(engine, kind, params, actor=actor, settings=request.app.state.settings)
+        job = queue.submit_job(engine, kind, params, actor=actor, settings=request.app.state.settings)
     except sources.Unavailable as exc:
         raise HTTPException(503, str(exc)) from exc
     audit(request, f"deployment.{kind}", job_id=job.id, **params)

@@ -7,7 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Path, Query, Request, status
 
-from scheduler.api import sources
+from scheduler.api import queue, sources
 from scheduler.api.deps import EngineDep, OperatorDep, SessionDep, ViewerDep, audit
 from scheduler.api.schemas import NAME_PATTERN, ActionRequest, Job, Page, RetrainRequest
 
@@ -42,7 +42,7 @@ def create_retrain(request: Request, principal: OperatorDep, engine: EngineDep, 
         "requested_by": principal.name,
     }
     try:
-        job = sources.submit_job(
+        job = queue.submit_job(
             engine, RETRAIN_KINDS[body.kind], params, actor=principal.name, settings=request.app.state.settings
         )
     except sources.Unavailable as exc:
@@ -62,7 +62,7 @@ def list_jobs(
 ) -> Page[Job]:
     """Newest first, with their state, inputs and outputs."""
     try:
-        items, total = sources.list_jobs(session, kind=kind, state=state, limit=limit, offset=offset)
+        items, total = queue.list_jobs(session, kind=kind, state=state, limit=limit, offset=offset)
     except sources.Unavailable as exc:
         raise HTTPException(503, str(exc)) from exc
     return Page[Job](items=items, total=total, limit=limit, offset=offset)
@@ -72,7 +72,7 @@ def list_jobs(
 def get_job(_: ViewerDep, session: SessionDep, job_id: JobPath) -> Job:
     """State, inputs, outputs and error of one job."""
     try:
-        job = sources.get_job(session, job_id)
+        job = queue.get_job(session, job_id)
     except sources.Unavailable as exc:
         raise HTTPException(503, str(exc)) from exc
     if job is None:
@@ -87,7 +87,7 @@ def cancel_job(
     """Revoke a queued or running job. A finished job answers 409."""
     audit(request, "job.cancel", job_id=job_id, reason=body.reason if body else None)
     try:
-        job = sources.cancel_job(engine, job_id, actor=principal.name, settings=request.app.state.settings)
+        job = queue.cancel_job(engine, job_id, actor=principal.name, settings=request.app.state.settings)
     except sources.Unavailable as exc:
         raise HTTPException(503, str(exc)) from exc
     except sources.Conflict as exc:
