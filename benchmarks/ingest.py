@@ -201,6 +201,7 @@ def main() -> None:
         "p50_latency_ms": round(float(np.percentile(latencies, 50)), 1) if latencies else None,
         "p99_latency_ms": round(float(np.percentile(latencies, 99)), 1) if latencies else None,
         "latency_events": len(latencies),
+        "mean_batch": round(stats.records / max(1, stats.batches), 1),
         "lost": lost,
         "duplicated": duplicated,
         "note": "2-core machine shared with other work; rates vary with contention",

@@ -35,6 +35,8 @@ class IngestConfig(BaseModel):
     """First backoff after a database error; doubles up to ``retry_max_s``."""
     retry_max_s: float = 5.0
     """Longest backoff between database retries."""
+    fetch_partition_bytes: int = Field(default=256 << 10, ge=1 << 14)
+    """Most bytes one fetch takes per partition (kafka-python decodes a fetch while holding the GIL)."""
     create_topics: bool = True
     """Create the telemetry and dead-letter topics when missing (again after an embedded broker restart)."""
     topic_check_s: float = 2.0

@@ -138,7 +138,9 @@ class IngestConsumer:
         from kafka import KafkaConsumer, KafkaProducer
 
         self._ensure_topics()
-        fetch_bytes = max(4 * self.kafka.max_message_bytes, 1 << 20)
+        # Small fetches keep kafka-python's network thread from holding the GIL for long stretches;
+        # a record larger than the limit still arrives (brokers return the first batch whole).
+        fetch_bytes = self.cfg.fetch_partition_bytes
         self._consumer = KafkaConsumer(
             bootstrap_servers=self.bootstrap,
             group_id=self.kafka.group_id,
@@ -149,8 +151,8 @@ class IngestConsumer:
             heartbeat_interval_ms=self.kafka.heartbeat_interval_ms,
             max_poll_records=self.cfg.batch_size,
             max_partition_fetch_bytes=fetch_bytes,
-            fetch_max_bytes=max(fetch_bytes, 52428800),
-            receive_message_max_bytes=max(2 * fetch_bytes, 104857600),
+            fetch_max_bytes=4 * fetch_bytes,
+            receive_message_max_bytes=max(8 * fetch_bytes, 4 * self.kafka.max_message_bytes, 104857600),
             metadata_max_age_ms=5000,
         )
         self._dlq = KafkaProducer(

@@ -84,12 +84,23 @@ def _insert(session: Session, table: Table) -> Any:
     raise RuntimeError(f"Unsupported database dialect {name!r}: use SQLite or PostgreSQL.")
 
 
-def _sqlite_converters(table: Table, cols: list[str]) -> list[Any]:
-    """Per column, how SQLAlchemy's SQLite types store a value: naive UTC text, JSON text, as is."""
+def _converters(dialect: str, table: Table, cols: list[str]) -> list[Any]:
+    """Per column, the value the driver needs, as SQLAlchemy's types would bind it.
+
+    SQLite: timestamps as naive UTC text, JSON as text. PostgreSQL: JSON wrapped for psycopg.
+    Every other value goes as it is.
+    """
     out: list[Any] = []
     for name in cols:
         kind = table.c[name].type
-        if isinstance(kind, DateTime):
+        if isinstance(kind, JSON):
+            if dialect == "sqlite":
+                out.append(json.dumps)
+            else:
+                from psycopg.types.json import Json
+
+                out.append(lambda v, _json=Json: None if v is None else _json(v))
+        elif isinstance(kind, DateTime) and dialect == "sqlite":
             memo: dict[datetime, str] = {}
 
             def as_text(value: datetime | None, memo: dict[datetime, str] = memo) -> str | None:
@@ -101,63 +112,77 @@ def _sqlite_converters(table: Table, cols: list[str]) -> list[Any]:
                 return text
 
             out.append(as_text)
-        elif isinstance(kind, JSON):
-            out.append(json.dumps)
         else:
             out.append(None)
     return out
 
 
-def _sqlite_executemany(session: Session, table: Table, rows: list[dict[str, Any]], verb: str) -> int:
-    """Insert through the driver in the session's transaction (SQLAlchemy's per-row work is the cost)."""
+def _driver_executemany(session: Session, table: Table, rows: list[dict[str, Any]], skip_conflicts: bool) -> int:
+    """Insert through the driver in the session's transaction; returns the rows inserted.
+
+    SQLAlchemy's per-row bind processing costs more than the insert itself at these batch sizes.
+    """
+    dialect = session.get_bind().dialect.name
     cols = list(rows[0])
     columns: list[Any] = []
-    for name, convert in zip(cols, _sqlite_converters(table, cols), strict=True):
+    for name, convert in zip(cols, _converters(dialect, table, cols), strict=True):
         values = list(map(operator.itemgetter(name), rows))
         columns.append(values if convert is None else list(map(convert, values)))
     params = list(zip(*columns, strict=True))
     names = ", ".join(f'"{c}"' for c in cols)
-    marks = ", ".join("?" * len(cols))
-    statement = f'{verb} INTO "{table.name}" ({names}) VALUES ({marks})'
+    base_error: type[Exception]
+    if dialect == "sqlite":
+        verb, marks, tail, base_error = ("INSERT OR IGNORE" if skip_conflicts else "INSERT"), "?", "", sqlite3.Error
+    elif dialect == "postgresql":
+        import psycopg
+
+        verb, marks, tail, base_error = (
+            "INSERT",
+            "%s",
+            (" ON CONFLICT DO NOTHING" if skip_conflicts else ""),
+            psycopg.Error,
+        )
+    else:
+        raise RuntimeError(f"Unsupported database dialect {dialect!r}: use SQLite or PostgreSQL.")
+    statement = f'{verb} INTO "{table.name}" ({names}) VALUES ({", ".join([marks] * len(cols))}){tail}'
     cursor = session.connection().connection.driver_connection.cursor()  # type: ignore[union-attr]
     try:
         cursor.executemany(statement, params)
         return int(cursor.rowcount)
-    except sqlite3.Error as exc:  # as SQLAlchemy would raise it (OperationalError: locked, I/O, ...)
-        raise DBAPIError.instance(statement, None, exc, sqlite3.Error) from exc
+    except base_error as exc:  # raised as SQLAlchemy would (OperationalError: locked, connection lost, ...)
+        raise DBAPIError.instance(statement, None, exc, base_error) from exc
     finally:
         cursor.close()
 
 
 def _insert_all(session: Session, table: Table, rows: list[dict[str, Any]]) -> None:
     """Plain batched insert."""
-    if session.get_bind().dialect.name == "sqlite":
-        _sqlite_executemany(session, table, rows, "INSERT")
-    else:
-        session.execute(table.insert(), rows)
+    _driver_executemany(session, table, rows, skip_conflicts=False)
+
+
+def _naive_utc(ts: datetime) -> datetime:
+    return ts.astimezone(UTC).replace(tzinfo=None) if ts.tzinfo else ts
 
 
 def _insert_new(session: Session, table: Table, rows: list[dict[str, Any]], received_at: datetime) -> set[str]:
     """Insert rows whose keys may already exist; returns the ``event_id`` of the rows inserted.
 
-    PostgreSQL: ``ON CONFLICT DO NOTHING RETURNING``. SQLite: ``INSERT OR IGNORE`` through the
-    driver; in WAL mode a writer that committed since this transaction's pre-select makes the
-    insert fail with "database is locked" (the consumer retries), so conflicts are rare; if some
-    rows were skipped anyway, the rows stamped with this batch's ``received_at`` are ours.
+    ``INSERT OR IGNORE`` (SQLite) / ``ON CONFLICT DO NOTHING`` (PostgreSQL). The pre-select
+    already removed stored ids, so every row goes in unless a concurrent writer stored some of
+    them meanwhile (in SQLite's WAL mode that makes this insert fail and the consumer retry);
+    then the rows stamped with this batch's ``received_at`` are ours.
     """
-    if session.get_bind().dialect.name != "sqlite":
-        stmt = _insert(session, table).on_conflict_do_nothing().returning(table.c.event_id)
-        return set(session.execute(stmt, rows).scalars())
-    count = _sqlite_executemany(session, table, rows, "INSERT OR IGNORE")
+    count = _driver_executemany(session, table, rows, skip_conflicts=True)
     keys = {row["event_id"] for row in rows}
     if count == len(rows):
         return keys
     ours: set[str] = set()
     ids = list(keys)
+    stamp = _naive_utc(received_at)
     for start in range(0, len(ids), _CHUNK):
         chunk = ids[start : start + _CHUNK]
         query = select(table.c.event_id, table.c.received_at).where(table.c.event_id.in_(chunk))
-        ours.update(eid for eid, at in session.execute(query) if at == received_at.replace(tzinfo=None))
+        ours.update(eid for eid, at in session.execute(query) if _naive_utc(at) == stamp)
     return ours
 
 

@@ -14,6 +14,7 @@ from scheduler.cli import (
     demo_cmds,
     ingest_cmds,
     jobs_cmds,
+    policy_cmds,
     rewards_cmds,
     serving_cmds,
     weights_cmds,
@@ -35,6 +36,7 @@ for module in (
     weights_cmds,
     serving_cmds,
     jobs_cmds,
+    policy_cmds,
     api_cmds,
     demo_cmds,
 ):

@@ -28,7 +28,8 @@ def ingest(
     consumer.install_signal_handlers()
     stats = consumer.run(once=once, max_seconds=max_seconds)
     if once:
-        print_json(vars(stats))
+        counts = ("records", "stored", "duplicates", "dead_letters", "batches", "db_retries")
+        print_json({key: getattr(stats, key) for key in counts})
 
 
 def stats(as_json: bool = typer.Option(False, "--json", help="Print one JSON object (the contract).")) -> None:

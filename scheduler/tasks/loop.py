@@ -1,6 +1,7 @@
 """The loop as Celery tasks: thin, idempotent, taking ids (the chain's JSON state), chained with
-canvas: ``collect -> retrain -> rl_update -> snapshot -> canary -> promote`` (promote rolls back
-when the canary failed). No task waits on another. ``plan_capacity`` and ``reap_leases`` run
+canvas: ``collect -> retrain -> rl_update -> snapshot -> canary -> promote`` and optionally
+``-> evaluate`` (promote rolls back when the canary failed; evaluate reports the version's
+held-out metrics). No task waits on another. ``plan_capacity`` and ``reap_leases`` run
 periodically under celery beat.
 """
 
@@ -172,12 +173,15 @@ def reap_leases() -> dict[str, Any]:
     return {"returned": reap(fleet_control(settings), worker_engine())}
 
 
-def loop_chain(celery: Celery | None = None, run_id: str | None = None, **inputs: Any) -> Any:
+def loop_chain(
+    celery: Celery | None = None, run_id: str | None = None, *, evaluate: bool = False, **inputs: Any
+) -> Any:
     """The loop as one canvas chain; ``.apply_async()`` it. Signatures go by name so any
-    configured app (``make_celery(settings)``) can send them."""
+    configured app (``make_celery(settings)``) can send them; ``evaluate`` appends the held-out
+    evaluation of the new version."""
     celery = celery or app
     state: State = {"run_id": run_id or uuid.uuid4().hex[:12], **inputs}
-    names = ["collect", "retrain", "rl_update", "snapshot", "canary", "promote"]
+    names = ["collect", "retrain", "rl_update", "snapshot", "canary", "promote"] + (["evaluate"] if evaluate else [])
     first, *rest = names
     return chain(
         celery.signature(f"undertow.{first}", args=(state,)), *(celery.signature(f"undertow.{n}") for n in rest)

@@ -3,13 +3,17 @@
 Every step has the signature ``step(settings, engine, state) -> dict`` where ``state`` is the
 JSON dict the chain carries (run id, versions, verdicts) and the returned dict is merged into it.
 ``SchedulerConfig.steps`` can replace any step by ``module:function`` (an operator's own canary,
-or a test's). Steps whose layer function is named ``expected`` below call an interface the
-lower layer is expected to provide; they fail with ``ModuleNotFoundError``/``AttributeError``
-naming it until it exists.
+or a test's). Every default step calls a real layer function: ``collect`` (database counts and the serving
+version), ``retrain`` (:func:`reward_models.train.train_reward_models` when the triggers fire),
+``snapshot`` (:meth:`policy.weights.WeightStore.put`: a delta against the serving version),
+``canary`` (:func:`serving.deploy.rollout`: canary and progressive stages gated on the gateway's
+``/gateway/metrics``, automatic rollback), ``promote``/``rollback`` (check and record where the
+fleet ended), ``evaluate`` (held-out metrics of the version).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from scheduler.tasks.borrowing import resolve
@@ -34,7 +38,7 @@ def collect(settings: Settings, engine: Engine, state: State) -> State:
             "signals": conn.scalar(select(func.count()).select_from(SignalRow)) or 0,
             "dead_letters": conn.scalar(select(func.count()).select_from(DeadLetterRow)) or 0,
         }
-    return {"ingest": counts}
+    return {"ingest": counts, "serving_version": state.get("serving_version") or _target(engine)}
 
 
 def retrain(settings: Settings, engine: Engine, state: State) -> State:
@@ -49,48 +53,137 @@ def retrain(settings: Settings, engine: Engine, state: State) -> State:
         report = train_reward_models(engine, settings.rewards, settings.home, resolved_config=settings.resolved())
     except TrainingDataError as exc:
         return {"reward_model": {"retrained": False, "reasons": [str(exc)]}}
-    return {"reward_model": {"retrained": True, "version": report.version, "promoted": report.promoted}}
+    return {
+        "reward_model": {
+            "retrained": True,
+            "version": report.version,
+            "promoted": report.promoted,
+            "status": report.status,
+            "primary_metric": report.primary_metric,
+            "n_train": report.n_train,
+            "n_holdout": report.n_holdout,
+        }
+    }
+
+
+def _store(settings: Settings) -> Any:
+    from policy.weights import WeightStore
+
+    url = settings.policy.weights_url
+    if "://" not in url and not Path(url).is_absolute():
+        url = str(Path(settings.home) / url)
+    return WeightStore(url, settings.policy.weights)
+
+
+def _gateway_metrics(settings: Settings) -> Any:
+    """The gateway's per-version online metrics (what the deployment gate compares)."""
+    import httpx
+
+    url = f"http://127.0.0.1:{settings.serving.gateway_port}/gateway/metrics"
+
+    async def metrics() -> dict[str, Any]:
+        async with httpx.AsyncClient(timeout=10) as client:
+            return (await client.get(url)).json()  # type: ignore[no-any-return]
+
+    return metrics
 
 
 def snapshot(settings: Settings, engine: Engine, state: State) -> State:
-    """Store the trained weights as a new version (delta against the serving one). Expected:
-    ``policy.weights.store.snapshot_from_checkpoint(policy_config, home, checkpoint) -> {"version": ...}``."""
-    from policy.weights import store
+    """Store the trained checkpoint in the weight store as a delta against the serving version."""
+    store = _store(settings)
+    version = state["rl_update"]["version"]
+    parent = state.get("serving_version")
+    known = set(store.version_ids())
+    manifest = store.put(
+        state["rl_update"]["checkpoint"], version=version, parent=parent if parent in known else "latest"
+    )
+    return {"policy_version": manifest.version, "weights_hash": manifest.version_hash}
 
-    out = store.snapshot_from_checkpoint(settings.policy, settings.home, state["rl_update"]["checkpoint"])  # type: ignore[attr-defined]
-    return {"policy_version": out["version"]}
+
+def _rollout(settings: Settings, engine: Engine, state: State) -> dict[str, Any]:
+    import asyncio
+    import dataclasses
+
+    from serving.deploy import rollout
+
+    result = asyncio.run(
+        rollout(
+            engine,
+            state["policy_version"],
+            state["weights_hash"],
+            settings.serving.deploy,
+            kind="auto",
+            metrics=_gateway_metrics(settings),
+            fleet_config=settings.serving.fleet,
+        )
+    )
+    out = dataclasses.asdict(result)
+    for stage in out["stages"]:
+        stage.pop("started_at", None)
+        stage.pop("finished_at", None)
+    return out
 
 
 def canary(settings: Settings, engine: Engine, state: State) -> State:
-    """Deploy the new version to the canary stage and judge it. Expected:
-    ``serving.deploy.canary(engine, serving_config, version) -> {"passed": bool, ...}``."""
-    from serving import deploy
+    """Deploy by delta: canary, then the progressive stages, each judged by the gate on the gateway's
+    online metrics (:func:`serving.deploy.rollout`, which rolls back by itself when a gate fails)."""
+    result = _rollout(settings, engine, state)
+    canary_stage = result["stages"][0] if result["stages"] else {}
+    return {
+        "canary": {
+            "passed": result["status"] == "succeeded",
+            "outcome": canary_stage.get("outcome"),
+            "deployment": result,
+        }
+    }
 
-    verdict = deploy.canary(engine, settings.serving, state["policy_version"])  # type: ignore[attr-defined]
-    return {"canary": verdict}
+
+def _target(engine: Engine) -> str | None:
+    from serving.fleet import get_target
+
+    target = get_target(engine)
+    return target.version if target else None
 
 
 def promote(settings: Settings, engine: Engine, state: State) -> State:
-    """Roll the canaried version out to the whole fleet. Expected:
-    ``serving.deploy.promote(engine, serving_config, version) -> dict``."""
-    from serving import deploy
-
-    return {"promoted": deploy.promote(engine, settings.serving, state["policy_version"])}  # type: ignore[attr-defined]
+    """The gated stages already brought the whole fleet to the version: check and record it."""
+    served = _target(engine)
+    if served != state["policy_version"]:
+        raise RuntimeError(f"the fleet serves {served}, not the promoted {state['policy_version']}")
+    return {"promoted": {"version": served, "deployment_id": state["canary"]["deployment"]["deployment_id"]}}
 
 
 def rollback(settings: Settings, engine: Engine, state: State) -> State:
-    """Put the previous version back. Expected: ``serving.deploy.rollback(engine, serving_config, version) -> dict``."""
-    from serving import deploy
-
-    return {"rolled_back": deploy.rollback(engine, settings.serving, state["policy_version"])}  # type: ignore[attr-defined]
+    """The failed gate already put the previous version back on every updated replica: check and record."""
+    served = _target(engine)
+    deployment = state.get("canary", {}).get("deployment", {})
+    return {
+        "rolled_back": {
+            "version": state["policy_version"],
+            "serving": served,
+            "reason": deployment.get("message", ""),
+        }
+    }
 
 
 def evaluate(settings: Settings, engine: Engine, state: State) -> State:
-    """Held-out evaluation of a version. Expected:
-    ``policy.evaluate.evaluate_version(policy_config, home, version) -> dict``."""
-    from policy import evaluate as ev
+    """Held-out metrics of the version: recorded with its row by the trainer, else computed now."""
+    from ingest.db import transaction
+    from policy.evaluate import EvalConfig
+    from policy.evaluate import evaluate as run_eval
+    from policy.model import load_checkpoint
+    from policy.tables import PolicyVersionRow
 
-    return {"evaluation": ev.evaluate_version(settings.policy, settings.home, state["policy_version"])}  # type: ignore[attr-defined]
+    version = state["policy_version"]
+    with transaction(engine) as db:
+        row = db.get(PolicyVersionRow, version)
+        metrics, path = (dict(row.metrics or {}), row.checkpoint_path) if row is not None else ({}, None)
+    if "eval/keep_rate" not in metrics:
+        if path is None:
+            raise ValueError(f"policy version {version} is not recorded; nothing to evaluate")
+        model, tokenizer = load_checkpoint(path)
+        metrics.update(run_eval(model, tokenizer, EvalConfig(**state.get("eval", {}))))
+    return {"evaluation": {k: v for k, v in metrics.items() if k.startswith("eval/")}}
 
 
 DEFAULTS = {

@@ -1,0 +1,238 @@
+"""The production RL update: the served sessions in the database, rewarded by what users did,
+trained by GRPO over candidate groups, into a new policy version (checkpoint + row).
+
+This is the trainer session the scheduler's ``rl_update`` task runs on borrowed replicas
+(``SchedulerConfig.rl_trainer = "policy.production:trainer_session"``):
+
+- **data**: every stored session with token ids, serving logprobs and routed experts
+  (:func:`policy.rollouts.rollouts_from_sessions`), at most ``max_staleness`` versions behind the
+  version trained from (:func:`policy.rollouts.filter_stale`: older and unknown versions drop);
+- **reward**: the composite label from user signals (:func:`reward_models.labels.build_labels`:
+  retention, acceptance, selection, switch) where a session has one; else the promoted reward
+  model's score (:func:`reward_models.api.load_scorer`) as a keep probability ``sigmoid(score)``;
+  sessions with neither are skipped;
+- **update**: GRPO advantages within each candidate group (the K choices of one request, one
+  policy version); only groups of two or more are used (a lone sample has no group baseline). Each
+  step takes ``groups_per_step`` groups from a plan fixed at the start (a seeded shuffle), so a run
+  preempted and resumed trains on exactly the same batches;
+- **resume**: :meth:`ProductionSession.save` writes weights, optimizer, step and the plan (session
+  ids with their rewards) to one file; :meth:`load` restores it;
+- **result**: the new version is evaluated on the fixed held-out task set, saved and recorded
+  (``policy_versions``), and its id, checkpoint and metrics are returned.
+
+Inputs from the run's state (all optional): ``base_version`` (else the newest version), ``lr`` and
+``steps`` (overrides; the demo's gate drill uses a destructive ``lr``), ``groups_per_step``,
+``eval`` (``EvalConfig`` fields), ``label`` (kept in the version's metrics).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import structlog
+import torch
+from sqlalchemy import select
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session, selectinload
+
+from ingest.db import make_engine
+from policy.evaluate import EvalConfig, evaluate
+from policy.model import load_checkpoint, save_checkpoint
+from policy.pipeline import train_config
+from policy.rollouts import Rollout, filter_stale, rollouts_from_sessions, version_number
+from policy.tables import PolicyVersionRow
+from policy.trainer import make_optimizer, update_step
+from policy.versions import latest_version, list_versions, record_version, version_id
+
+log = structlog.get_logger(__name__)
+
+GROUPS_PER_STEP = 8
+"""Candidate groups in one optimizer step (K=4 candidates each: 32 rollouts)."""
+MAX_CONTEXT = 1024
+"""Longest training window in tokens (longer agent sessions are split into windows)."""
+
+
+def session_rewards(engine: Engine, rewards_config: Any, now: datetime | None = None) -> dict[str, float]:
+    """Reward in [0, 1] per stored session: the composite label, else ``sigmoid`` of the promoted
+    reward model's score; sessions with neither are left out."""
+    from reward_models.api import load_scorer
+    from reward_models.data import load_sessions, load_signals
+    from reward_models.labels import build_labels
+    from reward_models.registry import current_promoted
+
+    sessions = load_sessions(engine)
+    if sessions.empty:
+        return {}
+    labels = build_labels(sessions, load_signals(engine), rewards_config, now or datetime.now(UTC)).sessions
+    reward = labels["reward"]
+    out = {str(k): float(v) for k, v in reward.items() if np.isfinite(v)}
+    missing = sessions[~sessions["session_id"].isin(list(out))]
+    if not missing.empty and current_promoted(engine) is not None:
+        scores = load_scorer(engine).score(missing)
+        for sid, s in zip(missing["session_id"], scores, strict=True):
+            out[str(sid)] = float(1.0 / (1.0 + np.exp(-s)))
+    return out
+
+
+def load_rollouts(engine: Engine, rewards: dict[str, float], *, max_tokens: int) -> list[Rollout]:
+    """Rollouts of the stored sessions that have a reward (segments loaded with the sessions)."""
+    from ingest.tables import SessionRow
+
+    with Session(engine) as db:
+        rows = list(
+            db.scalars(
+                select(SessionRow)
+                .where(SessionRow.session_id.in_(list(rewards)))
+                .options(selectinload(SessionRow.segments))
+                .order_by(SessionRow.occurred_at, SessionRow.session_id)
+            )
+        )
+        rollouts, _ = rollouts_from_sessions(
+            rows, lambda s: rewards.get(str(getattr(s, "session_id", ""))), max_tokens=max_tokens, summary_token_id=None
+        )
+    return rollouts
+
+
+def plan_batches(rollouts: list[Rollout], steps: int, groups_per_step: int, seed: int) -> list[list[str]]:
+    """Session ids per step: whole candidate groups (2+ members), shuffled by ``seed``, cycled."""
+    groups: dict[str, list[str]] = {}
+    for r in rollouts:
+        if r.group_id and r.session_id:
+            groups.setdefault(r.group_id, []).append(r.session_id)
+    usable = sorted(g for g, members in groups.items() if len(members) >= 2)
+    if not usable:
+        return []
+    random.Random(seed).shuffle(usable)
+    out = []
+    for step in range(steps):
+        picked = [usable[(step * groups_per_step + i) % len(usable)] for i in range(min(groups_per_step, len(usable)))]
+        out.append([sid for g in picked for sid in groups[g]])
+    return out
+
+
+class ProductionSession:
+    """A preemptible RL update from production rollouts (see the module docstring)."""
+
+    def __init__(self, settings: Any, state: dict[str, Any]) -> None:
+        self.cfg = settings.policy
+        self.engine = make_engine(settings.resolved_database_url)
+        root = Path(self.cfg.checkpoints_dir)
+        self.root = root if root.is_absolute() else Path(settings.home) / root
+        torch.set_num_threads(self.cfg.threads)
+        self.parent = self._parent(state.get("base_version") or state.get("serving_version"))
+        self.number = max((version_number(v.version_id) or 0) for v in list_versions(self.engine)) + 1
+        self.label = str(state.get("label", ""))
+        tcfg = train_config(self.cfg, int(state["steps"]) if state.get("steps") else None)
+        tcfg = replace(tcfg, seed=self.cfg.seed * 7919 + self.number)
+        if state.get("lr"):
+            tcfg = replace(tcfg, lr=float(state["lr"]))
+        self.tcfg = tcfg
+        self.eval_cfg = EvalConfig(**state.get("eval", {}))
+        self.model, self.tokenizer = load_checkpoint(self.parent.checkpoint_path)
+        self.opt = make_optimizer(self.model, tcfg)
+        self.step_no = 0
+        self.history: list[dict[str, float]] = []
+        rewards = session_rewards(self.engine, settings.rewards)
+        rollouts = load_rollouts(self.engine, rewards, max_tokens=MAX_CONTEXT)
+        base_number = version_number(self.parent.version_id) or 0
+        fresh, stats = filter_stale(rollouts, base_number, self.cfg.max_staleness)
+        self.stale = stats
+        groups = int(state.get("groups_per_step", GROUPS_PER_STEP))
+        plan = plan_batches(fresh, tcfg.steps, groups, tcfg.seed)
+        if not plan:
+            raise RuntimeError(
+                f"no rewarded candidate group of policy {self.parent.version_id} or the {self.cfg.max_staleness} "
+                "versions before it is stored yet; let users send requests with candidates and signals first"
+            )
+        self.plan = [[(sid, rewards[sid]) for sid in ids] for ids in plan]
+        self._by_id = {r.session_id: r for r in fresh}
+
+    def _parent(self, version: str | None) -> PolicyVersionRow:
+        if version:
+            with Session(self.engine) as db:
+                row = db.get(PolicyVersionRow, version)
+                if row is not None:
+                    db.expunge(row)
+                    return row
+        row = latest_version(self.engine)
+        if row is None:
+            raise RuntimeError("no policy version yet; train v0 first (`undertow policy warmup`)")
+        return row
+
+    @property
+    def done(self) -> bool:
+        return self.step_no >= len(self.plan)
+
+    def _batch(self, step: int) -> list[Rollout]:
+        out = []
+        for sid, reward in self.plan[step]:
+            r = self._by_id.get(sid)
+            if r is not None:
+                out.append(replace(r, reward=reward))
+        return out
+
+    def step(self) -> dict[str, float]:
+        """One GRPO step on the next planned batch of candidate groups."""
+        batch = self._batch(self.step_no)
+        metrics = update_step(self.model, self.opt, batch, self.tcfg)
+        self.step_no += 1
+        self.history.append(metrics)
+        log.info("production.step", step=self.step_no, reward=round(metrics["reward/mean"], 3), rollouts=len(batch))
+        return metrics
+
+    def save(self, path: Path) -> None:
+        """Weights, optimizer, step and the batch plan in one file."""
+        state = {"model": self.model.state_dict(), "optim": self.opt.state_dict(), "step": self.step_no}
+        torch.save({**state, "plan": self.plan, "history": self.history, "number": self.number}, path)
+
+    def load(self, path: Path) -> None:
+        """Restore :meth:`save` (the plan too: a resumed run trains on the same batches)."""
+        state = torch.load(path, weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optim"])
+        self.step_no, self.plan, self.history = int(state["step"]), state["plan"], state["history"]
+        self.number = int(state["number"])
+
+    def result(self) -> dict[str, Any]:
+        """Evaluate on the held-out set, save the checkpoint and record the version row."""
+        metrics: dict[str, Any] = {
+            "train/steps": float(self.step_no),
+            "train/lr": self.tcfg.lr,
+            "reward/mean": float(np.mean([h["reward/mean"] for h in self.history])) if self.history else 0.0,
+            "batch/rollouts": float(sum(len(p) for p in self.plan)),
+        }
+        if self.label:
+            metrics["label"] = self.label
+        metrics.update(evaluate(self.model, self.tokenizer, self.eval_cfg))
+        vid = version_id(self.number)
+        path = save_checkpoint(self.model, self.tokenizer, self.root / vid)
+        row = record_version(
+            self.engine,
+            version=vid,
+            parent=self.parent.version_id,
+            step=self.parent.step + self.step_no,
+            checkpoint_path=path,
+            metrics=metrics,
+            num_samples=int(metrics["batch/rollouts"]),
+            num_dropped_stale=self.stale.dropped,
+            staleness_mean=self.stale.mean,
+            staleness_max=self.stale.max,
+        )
+        log.info("policy.version", version=vid, keep_rate=metrics.get("eval/keep_rate"), label=self.label or None)
+        return {
+            "version": row.version_id,
+            "parent": row.parent_id,
+            "checkpoint": str(path),
+            "metrics": metrics,
+            "staleness": {"kept": self.stale.kept, "dropped": self.stale.dropped, "mean": self.stale.mean},
+        }
+
+
+def trainer_session(settings: Any, state: dict[str, Any]) -> ProductionSession:
+    """The session ``rl_update`` steps (``SchedulerConfig.rl_trainer`` names this)."""
+    return ProductionSession(settings, state)

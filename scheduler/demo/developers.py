@@ -1,0 +1,236 @@
+"""Simulated developers: they use the assistant through the gateway and react to what it writes.
+
+Arrivals follow the ServeGen production trace (one day of 10-minute windows, compressed into the
+traffic phase, scaled to a mean wall-clock rate the CPU fleet can serve). Each request is a
+training task of the family (never a held-out one), sent as prompt token ids with ``candidates: K``
+most of the time. The developers' preference is hidden from the system: they **keep** code that
+passes the task's hidden tests and is concise (the task family's keep rule,
+:func:`policy.checker.check`) and rewrite the rest. What they send back, all through the
+gateway's ``POST /v1/signals`` (so through Kafka into the database):
+
+- ``candidates.shown`` and ``candidate.selected`` for a candidate group: they pick the best
+  candidate (kept over merely passing over failing; ties at random);
+- ``edit.accepted`` when the chosen code passes the tests (they take it), else ``edit.rejected``;
+- ``code.retained`` at three horizons (time-compressed): kept code stays, passing but verbose code
+  is rewritten down to its concise size, failing code is deleted;
+- ``model.switched`` now and then when nothing they were shown even passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+import structlog
+
+log = structlog.get_logger(__name__)
+
+SECONDS_PER_DAY = 86400.0
+WINDOW_S = 600.0
+
+
+@dataclass
+class DeveloperConfig:
+    """How the simulated developers behave."""
+
+    mean_rps: float = 0.5
+    """Mean wall-clock request rate over the replayed day (the trace's shape, this mean)."""
+    candidates: int = 4
+    """K of a candidate group."""
+    group_share: float = 0.85
+    """Share of requests that ask for K candidates (the rest ask for one)."""
+    max_tokens: int = 48
+    """Completion length limit (the task family's bodies are short)."""
+    temperature: float = 1.0
+    """Sampling temperature the assistant is used at."""
+    horizons_s: tuple[int, ...] = (60, 600, 3600)
+    """Retention horizons in simulated seconds."""
+    switch_prob: float = 0.3
+    """Probability of switching models after a request where nothing passed."""
+    max_inflight: int = 4
+    """Requests in flight at once; arrivals beyond wait (a developer waits for the answer)."""
+    users: int = 24
+    """Distinct developers."""
+
+
+@dataclass
+class DeveloperStats:
+    """What the developers did (for the progress line and the final report)."""
+
+    requests: int = 0
+    errors: int = 0
+    signals: int = 0
+    signal_errors: int = 0
+    kept: int = 0
+    passed: int = 0
+    judged: int = 0
+    by_version: Counter[str] = field(default_factory=Counter)
+    kept_by_version: Counter[str] = field(default_factory=Counter)
+    latencies: list[float] = field(default_factory=list)
+
+
+def arrival_schedule(rates: np.ndarray, span_s: float, mean_rps: float, rng: np.random.Generator) -> np.ndarray:
+    """Arrival offsets in ``[0, span_s)``: a Poisson process whose rate follows one day of ``rates``
+    (10-minute windows) compressed into ``span_s`` and scaled to ``mean_rps`` on average."""
+    day = np.asarray(rates[: int(SECONDS_PER_DAY // WINDOW_S)], dtype=np.float64)
+    shape = day / day.mean()
+    per_window = span_s / len(day)
+    out = []
+    for i, s in enumerate(shape):
+        n = rng.poisson(mean_rps * s * per_window)
+        out.append(i * per_window + rng.uniform(0, per_window, n))
+    return np.sort(np.concatenate(out)) if out else np.zeros(0)
+
+
+def retained_lines(body: str, kept: bool, passed: bool, size_limit: int, size: int, fraction: float) -> tuple[int, int]:
+    """``(lines_written, lines_retained)`` at a horizon ``fraction`` (0..1) of the longest one."""
+    written = max(1, len([line for line in body.splitlines() if line.strip()]))
+    if kept:
+        share = 1.0
+    elif passed:
+        share = min(1.0, size_limit / max(size, 1)) * (1.0 - 0.5 * fraction)  # rewritten shorter over time
+    else:
+        share = 0.3 * (1.0 - fraction)  # deleted
+    return written, round(written * share)
+
+
+class Developers:
+    """The developer population replaying the trace against one gateway."""
+
+    def __init__(
+        self,
+        gateway_url: str,
+        tokenizer: Any,
+        rates: np.ndarray,
+        span_s: float,
+        speedup: float,
+        config: DeveloperConfig,
+        seed: int = 0,
+    ) -> None:
+        from policy.tasks import train_tasks
+
+        self.url = gateway_url.rstrip("/")
+        self.tokenizer = tokenizer
+        self.config = config
+        self.speedup = speedup
+        self.rng = random.Random(seed)
+        self.tasks = [t for t in train_tasks() if not t.heldout]
+        self.arrivals = arrival_schedule(rates, span_s, config.mean_rps, np.random.default_rng(seed))
+        self.stats = DeveloperStats()
+        self._halt = threading.Event()
+        self._pending: set[asyncio.Task[Any]] = set()
+
+    async def run(self) -> DeveloperStats:
+        """Replay every arrival (or until :meth:`halt`), then wait for the signals in flight."""
+        from policy.sft import prompt_ids
+
+        sem = asyncio.Semaphore(self.config.max_inflight)
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(timeout=180.0, limits=limits) as http:
+            start = time.monotonic()
+            for at in self.arrivals:
+                while not self._halt.is_set() and (delay := at - (time.monotonic() - start)) > 0:
+                    await asyncio.sleep(min(delay, 0.25))
+                if self._halt.is_set():
+                    break
+                await sem.acquire()
+                task = self.rng.choice(self.tasks)
+                user = f"dev-{self.rng.randrange(self.config.users):03d}"
+                k = self.config.candidates if self.rng.random() < self.config.group_share else 1
+                job = asyncio.ensure_future(self._request(http, task, prompt_ids(self.tokenizer, task), user, k, sem))
+                self._pending.add(job)
+                job.add_done_callback(self._pending.discard)
+            if self._pending:
+                await asyncio.gather(*list(self._pending), return_exceptions=True)
+        return self.stats
+
+    def halt(self) -> None:
+        """Stop sending new requests (thread-safe; retention signals already scheduled still go out)."""
+        self._halt.set()
+
+    async def _signal(
+        self, http: httpx.AsyncClient, kind: str, session_id: str, user: str, payload: dict[str, Any]
+    ) -> None:
+        body = {"type": kind, "session_id": session_id, "user_id": user, "payload": payload}
+        try:
+            resp = await http.post(self.url + "/v1/signals", json=body)
+            ok = resp.status_code == 202
+        except httpx.HTTPError:
+            ok = False
+        self.stats.signals += ok
+        self.stats.signal_errors += not ok
+
+    async def _request(
+        self, http: httpx.AsyncClient, task: Any, prompt: list[int], user: str, k: int, sem: asyncio.Semaphore
+    ) -> None:
+        from policy.checker import check_many
+        from policy.evaluate import decode_body
+
+        cfg = self.config
+        body = {
+            "prompt": prompt,
+            "max_tokens": cfg.max_tokens,
+            "temperature": cfg.temperature,
+            "candidates": k,
+            "user": user,
+            "logprobs": 0,
+            "return_token_ids": True,
+        }
+        try:
+            started = time.monotonic()
+            try:
+                resp = await http.post(self.url + "/v1/completions", json=body)
+            except httpx.HTTPError:
+                self.stats.errors += 1
+                return
+            if resp.status_code != 200:
+                self.stats.errors += 1
+                return
+            self.stats.latencies.append(time.monotonic() - started)
+        finally:
+            sem.release()
+        data = resp.json()
+        version = str(data.get("policy_version"))
+        choices = data["choices"]
+        bodies = [decode_body(self.tokenizer, list(c.get("token_ids") or [])) for c in choices]
+        results = await asyncio.to_thread(check_many, [(task, b) for b in bodies])
+        self.stats.requests += 1
+        self.stats.by_version[version] += 1
+        order = sorted(range(len(choices)), key=lambda i: (-results[i].kept, -results[i].passed, self.rng.random()))
+        best = order[0]
+        chosen = choices[best]["session_id"]
+        res = results[best]
+        self.stats.judged += 1
+        self.stats.kept += res.kept
+        self.stats.passed += res.passed
+        self.stats.kept_by_version[version] += res.kept
+        if data.get("group_id"):
+            ids = [c["session_id"] for c in choices]
+            await self._signal(
+                http, "candidates.shown", ids[0], user, {"group_id": data["group_id"], "session_ids": ids}
+            )
+            await self._signal(
+                http, "candidate.selected", chosen, user, {"group_id": data["group_id"], "chosen_session_id": chosen}
+            )
+        await self._signal(http, "edit.accepted" if res.passed else "edit.rejected", chosen, user, {})
+        if not any(r.passed for r in results) and self.rng.random() < cfg.switch_prob:
+            await self._signal(http, "model.switched", chosen, user, {"from_model": "undertow", "to_model": "other"})
+        longest = max(cfg.horizons_s)
+        waited = 0.0
+        for horizon in cfg.horizons_s:
+            wait = horizon / self.speedup - waited
+            if wait > 0:
+                await asyncio.sleep(wait)
+                waited += wait
+            written, kept = retained_lines(
+                bodies[best], res.kept, res.passed, task.size_limit, res.size, horizon / longest
+            )
+            payload = {"horizon_s": horizon, "lines_written": written, "lines_retained": kept}
+            await self._signal(http, "code.retained", chosen, user, payload)

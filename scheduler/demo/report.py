@@ -1,0 +1,148 @@
+"""The demo's final report: one row per policy version and the headline numbers.
+
+Per version: held-out retention (pass-and-keep rate on the fixed held-out task set, which no
+update trains on), held-out acceptance (pass rate there: developers accept code that passes),
+online requests and acceptance proxy as the gateway measured them, the reward model promoted when
+the version was trained and its primary metric, and the rollout outcome (succeeded, rolled back
+with the gate's reason, or not deployed). ``final_heldout_retention`` is the version the fleet
+serves at the end; ``gain_points`` its held-out retention minus v0's, in percentage points.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+def _deployments(engine: Any) -> dict[str, dict[str, Any]]:
+    from sqlalchemy import select
+
+    from ingest.db import transaction
+    from serving.tables import DeploymentRow
+
+    out: dict[str, dict[str, Any]] = {}
+    with transaction(engine) as s:
+        for row in s.scalars(select(DeploymentRow).order_by(DeploymentRow.id)):
+            out[row.to_version] = {
+                "status": row.status,
+                "message": row.message,
+                "stages": [{"name": st.name, "outcome": st.outcome} for st in row.stages],
+            }
+    return out
+
+
+def _borrowed(engine: Any) -> list[dict[str, Any]]:
+    from sqlalchemy import select
+
+    from ingest.db import transaction
+    from scheduler.tables import BorrowEventRow
+
+    with transaction(engine) as s:
+        rows = s.scalars(select(BorrowEventRow).where(BorrowEventRow.event.in_(["lent", "returned", "preempted"])))
+        return [{"replica": r.replica_id, "event": r.event, "at": r.at.isoformat()} for r in rows]
+
+
+def build_report(
+    stack: Any, outcomes: list[dict[str, Any]], dev_stats: Any, v0_metrics: dict[str, Any]
+) -> dict[str, Any]:
+    """The JSON report (``versions``, ``v0_heldout_retention``, ``final_heldout_retention``,
+    ``gain_points``, ``rollbacks``, and the loop's details)."""
+    from policy.versions import list_versions
+    from reward_models.registry import list_versions as reward_versions
+    from serving.fleet import get_target
+
+    engine = stack.engine
+    online = stack.gateway.metrics().get("versions", {}) if stack.gateway is not None else {}
+    deployments = _deployments(engine)
+    by_version = {o["state"]["rl_update"]["version"]: o for o in outcomes if "state" in o and "rl_update" in o["state"]}
+    versions = []
+    for row in list_versions(engine):
+        m = row.metrics or {}
+        outcome = by_version.get(row.version_id, {})
+        rm = outcome.get("state", {}).get("reward_model", {})
+        dep = deployments.get(row.version_id)
+        live = online.get(row.version_id, {})
+        versions.append(
+            {
+                "version": row.version_id,
+                "parent": row.parent_id,
+                "label": m.get("label") or ("warm-up" if row.parent_id is None else "update"),
+                "heldout_retention": m.get("eval/keep_rate"),
+                "heldout_acceptance": m.get("eval/pass_rate"),
+                "online_requests": live.get("requests", 0),
+                "online_acceptance": live.get("acceptance"),
+                "train_reward_mean": m.get("reward/mean"),
+                "rollouts": row.num_samples,
+                "reward_model": rm.get("version"),
+                "reward_model_retrained": rm.get("retrained"),
+                "reward_model_metric": rm.get("primary_metric"),
+                "rollout": "initial" if row.parent_id is None else (dep["status"] if dep else "not deployed"),
+                "rollout_message": dep["message"] if dep else "",
+                "update_seconds": round(outcome["seconds"], 1) if "seconds" in outcome else None,
+            }
+        )
+    target = get_target(engine)
+    final = next((v for v in versions if target and v["version"] == target.version), versions[0] if versions else {})
+    v0 = float(v0_metrics.get("eval/keep_rate", 0.0))
+    final_rate = float(final.get("heldout_retention") or 0.0)
+    return {
+        "versions": versions,
+        "v0_heldout_retention": v0,
+        "final_version": final.get("version"),
+        "final_heldout_retention": final_rate,
+        "gain_points": round(100.0 * (final_rate - v0), 2),
+        "rollbacks": sum(1 for d in deployments.values() if d["status"] == "rolled_back"),
+        "deployments": deployments,
+        "reward_models": [
+            {k: (str(v) if k.endswith("_at") or k.startswith("window") else v) for k, v in r.items()}
+            for r in reward_versions(engine)
+        ],
+        "borrowing": _borrowed(engine),
+        "failed_updates": [o["error"] for o in outcomes if "error" in o],
+        "developers": {
+            "requests": dev_stats.requests,
+            "errors": dev_stats.errors,
+            "signals": dev_stats.signals,
+            "signals_refused": dev_stats.signal_errors,
+            "kept": dev_stats.kept,
+            "passed": dev_stats.passed,
+            "by_version": dict(dev_stats.by_version),
+        },
+    }
+
+
+def _pct(x: Any) -> str:
+    return "-" if x is None else f"{100 * float(x):.1f}%"
+
+
+def print_report(report: dict[str, Any], console: Console | None = None) -> None:
+    """The per-version table and the headline, on the terminal."""
+    console = console or Console()
+    table = Table(title=f"Undertow demo: policy versions ({report['minutes']:.1f} min)")
+    for col in ("version", "what", "held-out retention", "held-out acceptance", "online req", "online accept"):
+        table.add_column(col, justify="right" if "held" in col or "online" in col else "left")
+    table.add_column("reward model")
+    table.add_column("rollout")
+    for v in report["versions"]:
+        rm = "-" if not v["reward_model"] else f"{v['reward_model']} ({v['reward_model_metric'] or 0:.3f})"
+        outcome = v["rollout"] + (f": {v['rollout_message'][:60]}" if v["rollout"] == "rolled_back" else "")
+        table.add_row(
+            v["version"],
+            str(v["label"]),
+            _pct(v["heldout_retention"]),
+            _pct(v["heldout_acceptance"]),
+            str(v["online_requests"]),
+            _pct(v["online_acceptance"]),
+            rm,
+            outcome,
+        )
+    console.print(table)
+    console.print(
+        f"held-out retention: v0 {_pct(report['v0_heldout_retention'])} -> serving {report['final_version']} "
+        f"{_pct(report['final_heldout_retention'])} ({report['gain_points']:+.1f} points; target +10, printed, "
+        f"not asserted); rollbacks: {report['rollbacks']}"
+    )
+    if report["failed_updates"]:
+        console.print(f"updates that failed: {report['failed_updates']}")

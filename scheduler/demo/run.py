@@ -1,0 +1,283 @@
+"""The closed loop end to end (``undertow demo``): developers use the assistant, their signals
+train reward models and new policy versions, and the versions roll out through the canary gate.
+
+Timeline: settings for this run (a fresh directory under ``<home>/demo``, env for the child
+processes) -> v0 (cached warm-up) -> the stack (:class:`scheduler.demo.stack.DemoStack`) -> the
+traffic phase: simulated developers (:mod:`scheduler.demo.developers`) replay one day of the
+ServeGen trace compressed into ``minutes``; whenever enough new candidate groups were stored and
+no update is running, the orchestrator submits the loop as one Celery chain (``collect -> retrain
+-> rl_update -> snapshot -> canary -> promote -> evaluate``) to the worker, which borrows a replica
+through the planner (only when the forecast of the trace's next window leaves one to lend), trains
+on production rollouts, stores the version as a delta, and deploys it through the gate. Once, after
+a version was promoted, a **gate drill** submits an update with a destructive learning rate: the
+canary's online acceptance collapses and the gate must roll it back. At the end: a table per
+version (held-out keep rate = retention, held-out pass rate = acceptance, online acceptance,
+reward model, rollout outcome) and one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+if TYPE_CHECKING:
+    from scheduler.settings import Settings
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class DemoOptions:
+    """Sizes and budgets of one demo run (the smoke test shrinks them)."""
+
+    minutes: float = 7.0
+    """Wall-clock minutes of the traffic phase (one simulated day); setup and the report come on top."""
+    seed: int = 0
+    """Seed of the developers, the arrivals and the trainer."""
+    keep_running: bool = False
+    """Leave the stack up after the report until Ctrl-C."""
+    replicas: int = 3
+    """CPU engine replicas."""
+    mean_rps: float = 0.6
+    """Mean wall-clock request rate of the developers (the trace's daily shape around it)."""
+    sft_steps: int = 400
+    """Warm-up steps of v0 (only when no cached v0 exists)."""
+    eval_per_tier: int = 16
+    """Held-out tasks per tier in the evaluation (3 tiers)."""
+    eval_samples: int = 4
+    """Samples per held-out task."""
+    steps_per_version: int = 8
+    """GRPO steps of one update."""
+    groups_per_step: int = 8
+    """Candidate groups per GRPO step."""
+    min_new_groups: int = 24
+    """New candidate groups stored before the next update is submitted."""
+    drill: bool = True
+    """Run the gate drill (a deliberately destructive update) once a version was promoted."""
+    drill_lr: float = 0.05
+    """Learning rate of the gate drill's update (destructive on purpose)."""
+    gate_min_requests: int = 8
+    """Requests a new version must serve before its stage is judged."""
+    finish_grace_s: float = 240.0
+    """Longest wait past the traffic phase for the update in flight to finish."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra ``UNDERTOW_*`` settings for this run."""
+
+
+def _env(home: Path, opts: DemoOptions, speedup: float) -> dict[str, str]:
+    from ingest.embedded import free_port
+
+    env = {
+        "UNDERTOW_HOME": str(home),
+        "UNDERTOW_LOG_LEVEL": "WARNING",
+        "UNDERTOW_SCHEDULER__CLOCK_SPEEDUP": f"{speedup:.6f}",
+        "UNDERTOW_SCHEDULER__PREEMPT_RESUME_S": "3",
+        "UNDERTOW_SCHEDULER__CHECKPOINT_EVERY_STEPS": "2",
+        "UNDERTOW_SCHEDULER__MIN_SERVING_REPLICAS": "1",
+        "UNDERTOW_SERVING__GATEWAY_PORT": str(free_port()),
+        "UNDERTOW_API__PORT": str(free_port()),
+        "UNDERTOW_SERVING__DEPLOY__STAGES": "[1.0]",
+        "UNDERTOW_SERVING__DEPLOY__GATE_MIN_REQUESTS": str(opts.gate_min_requests),
+        "UNDERTOW_SERVING__DEPLOY__GATE_MAX_WAIT_S": "120",
+        "UNDERTOW_SERVING__DEPLOY__GATE_MAX_LATENCY_RATIO": "3.0",
+        "UNDERTOW_SERVING__DEPLOY__GATE_MAX_ACCEPTANCE_DROP": "0.2",
+        "UNDERTOW_SERVING__DEPLOY__GATE_MAX_ERROR_RATE_DELTA": "0.05",
+        "UNDERTOW_SERVING__GATEWAY__FLEET_REFRESH_S": "0.5",
+        "UNDERTOW_SERVING__FLEET__HEALTH_INTERVAL_S": "1.0",
+        "UNDERTOW_SERVING__ENGINE__THREADS": "1",
+        "UNDERTOW_REWARDS__RETENTION_WEIGHTS": json.dumps({"60": 1.0, "600": 2.0, "3600": 4.0}),
+        "UNDERTOW_REWARDS__RETENTION_GRACE_S": "60",
+        "UNDERTOW_REWARDS__RETRAIN_MIN_NEW_LABELS": "60",
+        "UNDERTOW_REWARDS__MIN_TRAIN_ROWS": "20",
+        "UNDERTOW_POLICY__RL_STEPS_PER_VERSION": str(opts.steps_per_version),
+        "UNDERTOW_POLICY__THREADS": "1",
+        "UNDERTOW_POLICY__SEED": str(opts.seed),
+    }
+    return {**env, **opts.env}
+
+
+class Orchestrator:
+    """Submits loop chains when there is new data and collects their outcomes."""
+
+    def __init__(self, settings: Settings, stack: Any, opts: DemoOptions) -> None:
+        from scheduler.celery_app import make_celery
+
+        self.settings = settings
+        self.stack = stack
+        self.opts = opts
+        self.celery = make_celery(settings)
+        self.inflight: Any = None
+        self.inflight_kind = ""
+        self.inflight_since = 0.0
+        self.groups_at_submit = 0
+        self.outcomes: list[dict[str, Any]] = []
+        self.drilled = False
+        self.promoted = 0
+
+    def groups(self) -> int:
+        from sqlalchemy import func, select
+
+        from ingest.tables import SessionRow
+
+        with self.stack.engine.connect() as conn:
+            return int(conn.scalar(select(func.count(func.distinct(SessionRow.group_id)))) or 0)
+
+    def submit(self, kind: str) -> None:
+        from scheduler.tasks.loop import loop_chain
+
+        inputs: dict[str, Any] = {
+            "groups_per_step": self.opts.groups_per_step,
+            "eval": {"per_tier": self.opts.eval_per_tier, "samples_per_task": self.opts.eval_samples},
+        }
+        if kind == "drill":
+            inputs.update(lr=self.opts.drill_lr, label="gate drill")
+        run_id = f"{kind}-{uuid.uuid4().hex[:6]}"
+        self.inflight = loop_chain(self.celery, run_id=run_id, evaluate=True, **inputs).apply_async()
+        self.inflight_kind, self.inflight_since = kind, time.monotonic()
+        self.groups_at_submit = self.groups()
+        log.info("demo.chain_submitted", kind=kind, run_id=run_id)
+
+    def poll(self, accepting: bool) -> str:
+        """Collect a finished chain; submit the next one when there is enough new data."""
+        if self.inflight is not None:
+            if not self.inflight.ready():
+                return f"{self.inflight_kind} update running ({time.monotonic() - self.inflight_since:.0f} s)"
+            outcome: dict[str, Any] = {"kind": self.inflight_kind, "seconds": time.monotonic() - self.inflight_since}
+            try:
+                outcome["state"] = self.inflight.get(timeout=5, propagate=True)
+                if outcome["state"].get("canary", {}).get("passed"):
+                    self.promoted += 1
+            except Exception as exc:  # a failed chain is reported, the demo goes on
+                outcome["error"] = f"{type(exc).__name__}: {exc}"
+            self.outcomes.append(outcome)
+            self.inflight = None
+        if not accepting:
+            return "no new updates (end of the traffic phase)"
+        new = self.groups() - self.groups_at_submit
+        if new < self.opts.min_new_groups:
+            return f"collecting data ({new}/{self.opts.min_new_groups} new candidate groups)"
+        kind = "drill" if self.opts.drill and self.promoted >= 1 and not self.drilled else "update"
+        self.drilled = self.drilled or kind == "drill"
+        self.submit(kind)
+        return f"{kind} submitted"
+
+
+def _progress_table(status: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    table = Table(title="Undertow demo: the closed loop", show_header=False, expand=False)
+    for key, value in status.items():
+        table.add_row(key, str(value))
+    return table
+
+
+def run_demo(base: Settings, opts: DemoOptions) -> dict[str, Any]:
+    """Run the demo; returns the report (see :func:`scheduler.demo.report.build_report`)."""
+    from rich.console import Console
+    from rich.live import Live
+
+    from ingest.synthetic import default_trace_path, load_rates
+    from policy.evaluate import EvalConfig
+    from policy.model import load_checkpoint
+    from scheduler.demo.developers import DeveloperConfig, Developers
+    from scheduler.demo.report import build_report
+    from scheduler.demo.stack import DemoStack, v0_cache
+    from scheduler.settings import load_settings
+
+    console = Console(stderr=True)
+    started = time.monotonic()
+    trace = default_trace_path()
+    if trace is None:
+        raise FileNotFoundError("no ServeGen trace found (shared data or the test slice); see tests/ingest/data")
+    rates = load_rates(trace)
+    span_s = opts.minutes * 60.0
+    speedup = 86400.0 / span_s
+    home = (base.home / "demo" / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    os.environ.pop("UNDERTOW_DATABASE_URL", None)  # the demo runs on its own embedded SQLite file
+    os.environ.update(_env(home, opts, speedup))
+    settings = load_settings()
+    eval_cfg = EvalConfig(per_tier=opts.eval_per_tier, samples_per_task=opts.eval_samples)
+    with console.status("policy v0: loading the cached warm-up (training it on the first run)"):
+        v0_path, v0_metrics = v0_cache(
+            settings, (base.home / "demo-cache").resolve(), sft_steps=opts.sft_steps, eval_cfg=eval_cfg
+        )
+    console.print(f"v0 held-out keep rate {v0_metrics['eval/keep_rate']:.3f} ({v0_path.name})")
+    stack = DemoStack(settings, v0_path, v0_metrics, replicas=opts.replicas)
+    with console.status("starting broker, database, worker, engines, gateway and API"):
+        stack.start()
+    setup_s = time.monotonic() - started
+    console.print(f"gateway {stack.gateway_url}  dashboards {stack.api_url}/  (operator token: {stack.api_token})")
+    _model, tokenizer = load_checkpoint(v0_path)
+    devs = Developers(stack.gateway_url, tokenizer, rates, span_s, speedup, DeveloperConfig(mean_rps=opts.mean_rps))
+    import asyncio
+
+    dev_thread = threading.Thread(target=lambda: asyncio.run(devs.run()), name="demo-developers", daemon=True)
+    orch = Orchestrator(settings, stack, opts)
+    traffic_start = time.monotonic()
+    dev_thread.start()
+    report: dict[str, Any] = {}
+    try:
+        with Live(console=console, refresh_per_second=2) as live:
+            while True:
+                now = time.monotonic() - traffic_start
+                accepting = now < span_s - 45.0
+                status = orch.poll(accepting)
+                done = now >= span_s and orch.inflight is None
+                if done or now >= span_s + opts.finish_grace_s:
+                    break
+                s = devs.stats
+                live.update(
+                    _progress_table(
+                        {
+                            "simulated time": f"{min(now, span_s) * speedup / 3600:5.1f} h of 24 h",
+                            "requests": f"{s.requests} ({s.errors} errors), kept {s.kept}, passed {s.passed}",
+                            "by version": dict(s.by_version),
+                            "signals sent": f"{s.signals} ({s.signal_errors} refused)",
+                            "loop": status,
+                            "updates": f"{len(orch.outcomes)} finished, {orch.promoted} promoted",
+                            "serving": _target(stack.engine),
+                        }
+                    )
+                )
+                time.sleep(1.0)
+        devs.halt()
+        dev_thread.join(timeout=60)
+        if orch.inflight is not None:  # past the grace period: report it as unfinished
+            orch.outcomes.append({"kind": orch.inflight_kind, "error": "still running at the end of the demo"})
+        report = build_report(stack, orch.outcomes, devs.stats, v0_metrics)
+        report["minutes"] = round((time.monotonic() - started) / 60.0, 2)
+        report["setup_minutes"] = round(setup_s / 60.0, 2)
+        report["traffic_minutes"] = round(opts.minutes, 2)
+        report["home"] = str(home)
+        if opts.keep_running:
+            _wait(console, stack)
+    finally:
+        devs.halt()
+        stack.stop()
+    return report
+
+
+def _target(engine: Any) -> str:
+    from serving.fleet import get_target
+
+    target = get_target(engine)
+    return target.version if target else "-"
+
+
+def _wait(console: Any, stack: Any) -> None:
+    import signal
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    console.print(f"stack up: gateway {stack.gateway_url}, dashboards {stack.api_url}/; Ctrl-C stops")
+    stop.wait()
