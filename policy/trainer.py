@@ -13,11 +13,12 @@ Rollouts with zero advantage are skipped when no KL or entropy term needs them (
 policy gradient; DAPO's dynamic sampling drops such groups for the same reason).
 
 Online mode (:func:`train_on_rollouts`) takes scored production rollouts (see
-:func:`policy.rollouts.rollouts_from_sessions`), drops and counts stale ones, and steps once per
-batch of whole candidate groups. Offline mode (:func:`train_offline`) samples its own rollouts on the task family, seeded by
-``(seed, step)`` only, and saves a resumable state (weights, optimizer, baseline, step) every
-``save_every`` steps; a run killed and resumed ends with bit-identical weights to an
-uninterrupted run, and two runs with one seed produce bit-identical weights (CPU, same threads).
+:func:`policy.rollouts.rollouts_from_sessions`), drops and counts stale ones, and steps once
+per batch of whole candidate groups. Offline mode (:func:`train_offline`) samples its own
+rollouts on the task family, seeded by ``(seed, step)`` only, and saves a resumable state
+(weights, optimizer, baseline, step) every ``save_every`` steps; a run killed and resumed ends
+with bit-identical weights to an uninterrupted run, and two runs with one seed produce
+bit-identical weights (CPU, same thread count).
 
 Left out: PPO multi-epoch minibatching over one batch (each batch is used for one step, so the
 proximal policy equals the served one and the ratio starts at 1; the clip and truncated IS

@@ -56,8 +56,10 @@ def test_help_answers_fast(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert "telemetry" in out.stdout.lower()
     # Thin entrypoint: heavy libraries are imported inside commands, not at start.
+    heavy = "('torch', 'pandas', 'sklearn', 'transformers', 'kafka', 'sqlalchemy')"
+    code = f"import sys, scheduler.cli; print(sorted(m for m in {heavy} if m in sys.modules))"
     probe = subprocess.run(
-        [sys.executable, "-c", "import sys, scheduler.cli; print(sorted(m for m in ('torch','pandas','sklearn','transformers','kafka','sqlalchemy') if m in sys.modules))"],
+        [sys.executable, "-c", code],
         capture_output=True,
         text=True,
         cwd=tmp_path,

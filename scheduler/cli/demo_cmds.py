@@ -16,11 +16,16 @@ def demo(
     minutes: float = typer.Option(
         None, min=0.05, help="Wall-clock minutes of the replayed day (loop: 7, ingest stage: 1)."
     ),
-    requests: int = typer.Option(600, min=1, help="Ingest stage: user requests in the replayed day."),
+    requests: int = typer.Option(
+        None, min=1, help="User requests of synthetic telemetry (600); only for the ingest stage, which it implies."
+    ),
     seed: int = typer.Option(0, help="Seed of the developers, arrivals and trainer (ingest stage: telemetry)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object with the results."),
     keep_running: bool = typer.Option(False, "--keep-running", help="Keep the stack up until Ctrl-C."),
-    stage: str = typer.Option("loop", help="loop (the closed loop) or ingest (telemetry into the database only)."),
+    stage: str = typer.Option(
+        None,
+        help="loop (the closed loop; default) or ingest (telemetry into the database only; default with --requests).",
+    ),
     rps: float = typer.Option(0.6, min=0.01, help="Loop: mean request rate of the developers (wall clock)."),
     drill: bool = typer.Option(True, help="Loop: run the gate drill (a deliberately destructive update)."),
 ) -> None:
@@ -28,8 +33,9 @@ def demo(
     from scheduler.cli.common import print_json, setup
 
     settings = setup()
+    stage = stage or ("ingest" if requests is not None else "loop")
     if stage == "ingest":
-        _ingest(settings, minutes or 1.0, requests, seed, as_json, keep_running)
+        _ingest(settings, minutes or 1.0, requests or 600, seed, as_json, keep_running)
         return
     if stage != "loop":
         raise typer.BadParameter(f"unknown stage {stage!r}: use loop or ingest")

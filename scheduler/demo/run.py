@@ -77,7 +77,7 @@ def _env(home: Path, opts: DemoOptions, speedup: float) -> dict[str, str]:
 
     env = {
         "UNDERTOW_HOME": str(home),
-        "UNDERTOW_LOG_LEVEL": "WARNING",
+        "UNDERTOW_LOG_LEVEL": os.environ.get("UNDERTOW_LOG_LEVEL", "WARNING"),
         "UNDERTOW_SCHEDULER__CLOCK_SPEEDUP": f"{speedup:.6f}",
         "UNDERTOW_SCHEDULER__PREEMPT_RESUME_S": "3",
         "UNDERTOW_SCHEDULER__CHECKPOINT_EVERY_STEPS": "2",
@@ -190,6 +190,7 @@ def run_demo(base: Settings, opts: DemoOptions) -> dict[str, Any]:
     from scheduler.demo.developers import DeveloperConfig, Developers
     from scheduler.demo.report import build_report
     from scheduler.demo.stack import DemoStack, v0_cache
+    from scheduler.logs import configure_logging
     from scheduler.settings import load_settings
 
     console = Console(stderr=True)
@@ -205,6 +206,7 @@ def run_demo(base: Settings, opts: DemoOptions) -> dict[str, Any]:
     os.environ.pop("UNDERTOW_DATABASE_URL", None)  # the demo runs on its own embedded SQLite file
     os.environ.update(_env(home, opts, speedup))
     settings = load_settings()
+    configure_logging(settings.log_level, settings.log_json)  # the demo's own level (progress shows the rest)
     eval_cfg = EvalConfig(per_tier=opts.eval_per_tier, samples_per_task=opts.eval_samples)
     with console.status("policy v0: loading the cached warm-up (training it on the first run)"):
         v0_path, v0_metrics = v0_cache(

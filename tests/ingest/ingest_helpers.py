@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from pathlib import Path
 from typing import Any
 
 
@@ -139,3 +140,7 @@ class TcpProxy:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
             sock.close()
+
+
+DATA = Path(__file__).parent / "data"
+"""Third-party trace slices (with attribution) used by the ingest tests."""

@@ -133,7 +133,8 @@ def test_broker_command_writes_its_state_and_stops_cleanly(tmp_path: Path, kafka
 
 def test_demo_stage_one(tmp_path: Path, kafka_cfg: KafkaConfig) -> None:
     env = cli_env(tmp_path, None, kafka_cfg)
-    result = undertow(["demo", "--minutes", "0.1", "--requests", "60", "--seed", "3", "--json"], env, timeout=300)
+    args = ["demo", "--stage", "ingest", "--minutes", "0.1", "--requests", "60", "--seed", "3", "--json"]
+    result = undertow(args, env, timeout=300)
     assert result.returncode == 0, result.stderr
     data = last_json(result.stdout)
     stats = data["stats"]

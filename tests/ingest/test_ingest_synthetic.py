@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
-from conftest import DATA
+from ingest_helpers import DATA
 
 from ingest.schemas import parse_event
 from ingest.synthetic import HORIZONS_S, arrival_times, generate, load_rates

@@ -63,7 +63,7 @@ def test_ppo_clip_on_policy_equals_vanilla_pg() -> None:
     inp = _inputs([-1.0, -2.0], [-1.0, -2.0], [1.0, -1.0])
     out = policy_loss(inp, LossConfig())
     # ratio = 1 -> loss = -(1*1 + 1*(-1)) / 2 = 0, gradient = -A / N
-    assert float(out.loss) == pytest.approx(0.0)
+    assert float(out.loss.detach()) == pytest.approx(0.0)
     out.loss.backward()
     assert inp.logprobs.grad is not None
     assert inp.logprobs.grad.tolist() == pytest.approx([-0.5, 0.5])
@@ -73,14 +73,14 @@ def test_ppo_clip_and_truncated_is_values() -> None:
     cfg = LossConfig(clip_low=0.2, clip_high=0.2, tis_cap=2.0)
     # token 0: ratio e^0.5 = 1.6487 > 1.2 with A=+1 -> clipped 1.2; old = served -> weight 1
     inp = _inputs([-0.5], [-1.0], [1.0])
-    assert float(policy_loss(inp, cfg).loss) == pytest.approx(-1.2)
+    assert float(policy_loss(inp, cfg).loss.detach()) == pytest.approx(-1.2)
     # A=-1 takes the unclipped (pessimistic) branch: min(-1.6487, -1.2) = -1.6487
     inp = _inputs([-0.5], [-1.0], [-1.0])
-    assert float(policy_loss(inp, cfg).loss) == pytest.approx(math.exp(0.5))
+    assert float(policy_loss(inp, cfg).loss.detach()) == pytest.approx(math.exp(0.5))
     # decoupled: old = -0.5 (proximal), served mu = -2 -> weight min(e^1.5, 2) = 2; ratio = 1
     inp = _inputs([-0.5], [-2.0], [1.0], old_logprobs=torch.tensor([-0.5], dtype=torch.float64))
     out = policy_loss(inp, cfg)
-    assert float(out.loss) == pytest.approx(-2.0)
+    assert float(out.loss.detach()) == pytest.approx(-2.0)
     assert out.metrics["is/truncated_sum"] == 1.0
 
 
@@ -91,7 +91,7 @@ def test_gspo_sequence_ratio_is_geometric_mean() -> None:
     assert ratio.tolist() == pytest.approx([math.exp(0.2), math.exp(0.2), math.exp(-0.2)])
     inp = _inputs([-1.0, -1.0], [-1.0, -1.0], [1.0, 1.0])
     out = policy_loss(inp, LossConfig(level="sequence"))
-    assert float(out.loss) == pytest.approx(-1.0)
+    assert float(out.loss.detach()) == pytest.approx(-1.0)
     with pytest.raises(ValueError):
         policy_loss(inp, LossConfig(level="bogus"))
 
@@ -108,10 +108,10 @@ def test_kl_and_entropy_terms_enter_the_loss() -> None:
     base = _inputs([-1.0], [-1.0], [0.0])
     with_kl = _inputs([-1.0], [-1.0], [0.0], ref_logprobs=torch.tensor([-2.0], dtype=torch.float64))
     out = policy_loss(with_kl, LossConfig(kl_coef=0.5))
-    assert float(out.loss) == pytest.approx(0.5 * (math.exp(-1) + 1 - 1))
-    assert float(policy_loss(base, LossConfig()).loss) == 0.0
+    assert float(out.loss.detach()) == pytest.approx(0.5 * (math.exp(-1) + 1 - 1))
+    assert float(policy_loss(base, LossConfig()).loss.detach()) == 0.0
     ent = _inputs([-1.0], [-1.0], [0.0], entropy=torch.tensor([2.0], dtype=torch.float64))
-    assert float(policy_loss(ent, LossConfig(entropy_coef=0.1)).loss) == pytest.approx(-0.2)
+    assert float(policy_loss(ent, LossConfig(entropy_coef=0.1)).loss.detach()) == pytest.approx(-0.2)
 
 
 def test_load_balancing_loss_is_one_when_balanced_and_higher_when_collapsed() -> None:

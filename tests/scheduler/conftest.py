@@ -10,7 +10,6 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -49,19 +48,6 @@ def make_env(root: Path) -> dict[str, str]:
 def sched_env(tmp_path: Path) -> dict[str, str]:
     """A fresh scheduler home of the test's own."""
     return make_env(tmp_path)
-
-
-def settings_for(env: dict[str, str], **extra: Any) -> Any:
-    """Settings as the worker sees them, built in the test process."""
-    from scheduler.settings import Settings
-
-    old = dict(os.environ)
-    os.environ.update(env)
-    try:
-        return Settings(**extra)
-    finally:
-        os.environ.clear()
-        os.environ.update(old)
 
 
 class Worker:
@@ -146,14 +132,3 @@ def start_worker(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
     yield start
     for w in started:
         w.stop()
-
-
-def wait_for(pred: Callable[[], Any], timeout: float = 60.0, every: float = 0.2, what: str = "condition") -> Any:
-    """Poll ``pred`` until it returns something truthy."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        out = pred()
-        if out:
-            return out
-        time.sleep(every)
-    raise TimeoutError(f"timed out waiting for {what}")

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -168,3 +169,27 @@ def rollback(settings: Any, engine: Any, state: dict[str, Any]) -> dict[str, Any
 def _log(settings: Any, what: str, version: str) -> None:
     with open(Path(settings.home) / "deploy.log", "a") as fh:
         fh.write(f"{what} {version} {os.getpid()}\n")
+
+
+def settings_for(env: dict[str, str], **extra: Any) -> Any:
+    """Settings as the worker sees them, built in the test process."""
+    from scheduler.settings import Settings
+
+    old = dict(os.environ)
+    os.environ.update(env)
+    try:
+        return Settings(**extra)
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+
+
+def wait_for(pred: Callable[[], Any], timeout: float = 60.0, every: float = 0.2, what: str = "condition") -> Any:
+    """Poll ``pred`` until it returns something truthy."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        out = pred()
+        if out:
+            return out
+        time.sleep(every)
+    raise TimeoutError(f"timed out waiting for {what}")

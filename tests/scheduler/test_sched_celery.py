@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import settings_for, wait_for
-from sched_support import FileFleet, ToyTrainer
+from sched_support import FileFleet, ToyTrainer, settings_for, wait_for
 from sqlalchemy import select
 
 pytestmark = pytest.mark.slow

@@ -1,0 +1,60 @@
+"""The demo's parts that are pure functions: the fleet's load history, the developers' arrivals and
+retention, and the production trainer's batch plan (malformed, empty and hostile inputs included)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from policy.production import plan_batches
+from policy.rollouts import Rollout
+from scheduler.demo.developers import arrival_schedule, retained_lines
+from serving.control import load_rates
+
+
+def test_load_rates_counts_requests_per_window_up_to_now() -> None:
+    now = 1000.0
+    stamps = [now - 25, now - 24, now - 5, now - 1]
+    rates = load_rates(stamps, 10.0, now)
+    assert rates.tolist() == pytest.approx([0.2, 0.0, 0.2])  # oldest first, ends now
+    assert load_rates([], 10.0, now).size == 0
+    with pytest.raises(ValueError, match="more than 0"):
+        load_rates(stamps, 0.0, now)
+
+
+def test_load_rates_ignores_stamps_from_the_future() -> None:
+    rates = load_rates([990.0, 5000.0], 10.0, 1000.0)
+    assert rates.sum() * 10.0 == pytest.approx(1.0)
+
+
+def test_arrivals_follow_the_mean_rate_and_stay_in_the_span() -> None:
+    rates = np.concatenate([np.full(72, 1.0), np.full(72, 3.0)])  # quiet night, busy day
+    at = arrival_schedule(rates, 600.0, 0.5, np.random.default_rng(0))
+    assert np.all(np.diff(at) >= 0) and at.min() >= 0 and at.max() < 600.0
+    assert 0.4 * 600 < at.size < 0.6 * 600
+    assert (at >= 300).sum() > 2 * (at < 300).sum()  # the busy half gets about 3x the arrivals
+
+
+def test_retention_keeps_kept_code_and_deletes_failing_code() -> None:
+    body = "    x = 1\n    return x\n"
+    assert retained_lines(body, True, True, 20, 10, 1.0) == (2, 2)
+    assert retained_lines(body, False, False, 20, 10, 1.0) == (2, 0)
+    written, kept = retained_lines(body, False, True, 20, 80, 0.0)
+    assert written == 2 and 0 <= kept <= written
+    assert retained_lines("", False, False, 20, 0, 0.0)[0] == 1  # an empty answer still counts as written
+
+
+def _rollout(group: str | None, sid: str) -> Rollout:
+    return Rollout(prompt_ids=[1], completion_ids=[2], reward=0.0, group_id=group, session_id=sid)
+
+
+def test_batch_plan_keeps_groups_whole_and_is_deterministic() -> None:
+    rollouts = [_rollout(f"g{g}", f"g{g}-{i}") for g in range(5) for i in range(4)]
+    rollouts += [_rollout(None, "single"), _rollout("lonely", "lonely-0")]  # no group baseline: unused
+    plan = plan_batches(rollouts, steps=3, groups_per_step=2, seed=7)
+    assert plan == plan_batches(rollouts, steps=3, groups_per_step=2, seed=7)
+    assert len(plan) == 3 and all(len(step) == 8 for step in plan)
+    for step in plan:
+        groups = {sid.rsplit("-", 1)[0] for sid in step}
+        assert len(groups) == 2 and "single" not in step and "lonely-0" not in step
+    assert plan_batches([_rollout(None, "a")], steps=2, groups_per_step=2, seed=0) == []
