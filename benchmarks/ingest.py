@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np
 
 from ingest.config import IngestConfig, KafkaConfig
-from ingest.consumer import BatchReport, IngestConsumer
+from ingest.consumer import BatchReport, IngestConsumer, fetch_options
 from ingest.db import make_engine, transaction, upgrade
 from ingest.embedded import EmbeddedBroker, create_topics
 from ingest.producer import TelemetryProducer, event_key
@@ -69,25 +69,31 @@ def produce(bootstrap: str, topic: str, messages: list[tuple[bytes | None, bytes
             fut.get(timeout=60)
 
 
-def raw_consume(bootstrap: str, topic: str, expected: int) -> float:
-    """Baseline: consume and JSON-decode every record; returns records per second."""
+def raw_consume(bootstrap: str, kafka: KafkaConfig, ingest: IngestConfig, expected: int) -> float:
+    """Baseline: consume and JSON-decode every record; returns records per second.
+
+    Same client options, batch size and poll timeout as the ingest consumer, timed the same way:
+    from the first record received to the last one handled.
+    """
     from kafka import KafkaConsumer, TopicPartition
 
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest")
-    parts = consumer.partitions_for_topic(topic) or set()
-    consumer.assign([TopicPartition(topic, p) for p in parts])
+    consumer = KafkaConsumer(client_id="bench-raw", **fetch_options(bootstrap, kafka, ingest))
+    parts = consumer.partitions_for_topic(kafka.topic) or set()
+    consumer.assign([TopicPartition(kafka.topic, p) for p in sorted(parts)])
     n = 0
     first: float | None = None
+    last = time.monotonic()
     while n < expected:
-        for records in consumer.poll(timeout_ms=200, max_records=1000).values():
-            if first is None:
-                first = time.monotonic()
-            for rec in records:
-                json.loads(rec.value)
-                n += 1
-    elapsed = time.monotonic() - (first or time.monotonic())
+        batch = consumer.poll(timeout_ms=ingest.poll_timeout_ms, max_records=ingest.batch_size)
+        records = [r for part in batch.values() for r in part]
+        if records and first is None:
+            first = time.monotonic()
+        for rec in records:
+            json.loads(rec.value)
+        n += len(records)
+        last = time.monotonic()
     consumer.close()
-    return n / elapsed
+    return n / (last - (first or last))
 
 
 def check(engine: object, event_ids: set[str]) -> tuple[int, int]:
@@ -165,7 +171,7 @@ def main() -> None:
         produce_rate = len(bulk_msgs) / (time.perf_counter() - t0)
 
         log("baseline: raw consume + JSON decode ...")
-        raw_rate = raw_consume(broker.bootstrap, kafka.topic, len(bulk_msgs))
+        raw_rate = raw_consume(broker.bootstrap, kafka, ingest, len(bulk_msgs))
 
         log("ingest: consume, validate, write, commit ...")
         stats = IngestConsumer(engine, broker.bootstrap, kafka, ingest, mode="assign").run(once=True)

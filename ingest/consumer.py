@@ -17,6 +17,13 @@ Faults:
   read twice around the switch are counted as duplicates, never stored twice or lost).
 - ``SIGTERM``: the batch in hand is finished and committed, then the consumer exits.
 
+Pipelining: batch N is written and committed by a writer thread while the main thread polls and
+validates batch N+1 (the database driver releases the GIL while SQLite or PostgreSQL works). At
+most one batch is in flight; N+1 is handed to the writer only after N's transaction committed, so
+stored offsets only ever move forward over rows that are stored, and Kafka's commit, the
+dead-letter topic and ``on_commit`` still follow the database commit. Before any seek (partition
+assignment, revocation, a new cluster) the batch in flight is finished first.
+
 Two modes: ``group`` (subscribe; a consumer group spreads partitions over processes) and
 ``assign`` (every partition of the topic, no group join: immediate, used by ``--once``).
 """
@@ -27,6 +34,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +90,17 @@ class ConsumerStats:
     """``time.monotonic()`` after the last committed batch."""
 
 
+@dataclass
+class _InFlight:
+    """A batch handed to the writer thread, and what to do once its transaction committed."""
+
+    future: Future[tuple[WriteResult, float, float] | None]
+    records: int
+    letters: list[DeadLetter]
+    offsets: dict[tuple[str, int], int]
+    timestamps_ms: list[int]
+
+
 def _is_transient(exc: BaseException) -> bool:
     """A database error worth retrying: the connection or the server, not the statement."""
     if isinstance(exc, OperationalError | InterfaceError):
@@ -116,6 +135,10 @@ class IngestConsumer:
         self._dlq: Any = None
         self._cluster: str | None = None
         self._committed: dict[tuple[str, int], int] = {}
+        self._writer: ThreadPoolExecutor | None = None
+        self._in_flight: _InFlight | None = None
+        self._failed = False
+        """A batch did not commit (stopped while the database was away): nothing after it may commit."""
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -138,22 +161,13 @@ class IngestConsumer:
         from kafka import KafkaConsumer, KafkaProducer
 
         self._ensure_topics()
-        # Small fetches keep kafka-python's network thread from holding the GIL for long stretches;
-        # a record larger than the limit still arrives (brokers return the first batch whole).
-        fetch_bytes = self.cfg.fetch_partition_bytes
         self._consumer = KafkaConsumer(
-            bootstrap_servers=self.bootstrap,
             group_id=self.kafka.group_id,
             client_id="undertow-ingest",
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
             session_timeout_ms=self.kafka.session_timeout_ms,
             heartbeat_interval_ms=self.kafka.heartbeat_interval_ms,
-            max_poll_records=self.cfg.batch_size,
-            max_partition_fetch_bytes=fetch_bytes,
-            fetch_max_bytes=4 * fetch_bytes,
-            receive_message_max_bytes=max(8 * fetch_bytes, 4 * self.kafka.max_message_bytes, 104857600),
             metadata_max_age_ms=5000,
+            **fetch_options(self.bootstrap, self.kafka, self.cfg),
         )
         self._dlq = KafkaProducer(
             bootstrap_servers=self.bootstrap,
@@ -180,14 +194,24 @@ class IngestConsumer:
         if not now or now == self._cluster:
             return
         log.warning("ingest.new_cluster", old=self._cluster, new=now, topic=self.kafka.topic)
+        self._drain()
         self._cluster = now
         self._ensure_topics()
         if self.mode == "assign":
             self._assign_all()
-        else:
-            assigned = list(self._consumer.assignment())
-            if assigned:
-                self._consumer.seek_to_beginning(*assigned)
+        self._rewind(list(self._consumer.assignment()))
+
+    def _rewind(self, tps: list[Any]) -> None:
+        """Seek to the offsets stored for the current cluster, else to the beginning (a new log)."""
+        if not tps:
+            return
+        with transaction(self.engine) as session:
+            stored = load_offsets(session, self.kafka.group_id, self.kafka.topic, cluster_id=self._cluster)
+        for tp in tps:
+            if tp.partition in stored:
+                self._consumer.seek(tp, stored[tp.partition])
+            else:
+                self._consumer.seek_to_beginning(tp)
 
     def _partitions(self) -> list[Any]:
         from kafka import TopicPartition
@@ -210,6 +234,11 @@ class IngestConsumer:
 
     def seek_to_stored(self, tps: list[Any]) -> None:
         """Position each partition at the offset stored with the rows (else Kafka's, else earliest)."""
+        self._drain()
+        now = self._cluster_now()
+        if now and now != self._cluster:  # the broker restarted: offsets stored before point into a gone log
+            log.warning("ingest.new_cluster", old=self._cluster, new=now, topic=self.kafka.topic)
+            self._cluster = now
         with transaction(self.engine) as session:
             every = load_offsets(session, self.kafka.group_id, self.kafka.topic)
             stored = load_offsets(session, self.kafka.group_id, self.kafka.topic, cluster_id=self._cluster)
@@ -237,6 +266,7 @@ class IngestConsumer:
         """Consume until stopped (or, with ``once``, until caught up with every partition)."""
         from kafka.errors import KafkaError
 
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="undertow-ingest-writer")
         self._open()
         started = time.monotonic()
         last_topic_check = time.monotonic()
@@ -255,22 +285,38 @@ class IngestConsumer:
                     broker_delay = min(broker_delay * 2, self.cfg.retry_max_s)
                 if time.monotonic() - last_topic_check > self.cfg.topic_check_s:
                     last_topic_check = time.monotonic()
+            self._drain()
         finally:
+            self._writer.shutdown(wait=True)  # a write in flight finishes (its rows and offsets commit together)
+            self._writer = None
+            self._in_flight = None
             self.close()
         log.info("ingest.stopped", **vars(self.stats))
         return self.stats
 
     def _step(self, once: bool, check_topics: bool) -> bool:
         """One poll and its batch; True when ``once`` is done."""
+        if self._in_flight is not None and self._in_flight.future.done():
+            self._drain()
+        if self._failed:
+            self._stop.set()
+            return True
         self._check_cluster()
         cluster = self._cluster
         batch = self._consumer.poll(timeout_ms=self.cfg.poll_timeout_ms, max_records=self.cfg.batch_size)
         records = [r for part in batch.values() for r in part]
+        if records and (self._cluster != cluster or (self._cluster_now() or cluster) != cluster):
+            # The cluster changed during the poll: these records may come from either log. Drop
+            # them (nothing of them is committed) and read the new log from the stored offsets.
+            self._check_cluster()
+            self._rewind(list(self._consumer.assignment()))
+            return False
         if records:
             if self.stats.first_record_s is None:
                 self.stats.first_record_s = time.monotonic()
             self._process(records, cluster)
             return False
+        self._drain()
         if once and self._caught_up():
             return True
         if check_topics:
@@ -295,40 +341,55 @@ class IngestConsumer:
             self._assign_all()
 
     def _process(self, records: list[Any], cluster: str | None) -> None:
+        """Validate a batch here, then hand it to the writer once the batch before it committed."""
         deliveries: list[Delivery] = []
         letters: list[DeadLetter] = []
         offsets: dict[tuple[str, int], int] = {}
+        max_bytes = self.kafka.max_message_bytes
+        parse = schemas.parse_event
         for rec in records:
             offsets[(rec.topic, rec.partition)] = rec.offset + 1
             value = rec.value if rec.value is not None else b""
             try:
-                event = schemas.parse_event(value, self.kafka.max_message_bytes)
+                event = parse(value, max_bytes)
             except schemas.InvalidEvent as exc:
                 letters.append(DeadLetter(rec.topic, rec.partition, rec.offset, rec.key, value, exc.reason, exc.detail))
                 continue
             deliveries.append(Delivery(event, rec.topic, rec.partition, rec.offset))
-        result = self._write(deliveries, letters, offsets, cluster)
-        if result is None:  # stopped while the database was away: nothing committed, nothing lost
+        self._drain()
+        if self._failed or self._writer is None:  # the batch before did not commit: neither may this one
             return
-        committed_at = time.time()
-        self.stats.last_commit_s = time.monotonic()
-        self.stats.records += len(records)
+        future = self._writer.submit(self._write, deliveries, letters, offsets, cluster)
+        self._in_flight = _InFlight(future, len(records), letters, offsets, [r.timestamp for r in records])
+
+    def _drain(self) -> None:
+        """Wait for the batch in flight; after its commit: dead-letter topic, Kafka commit, stats, ``on_commit``."""
+        batch, self._in_flight = self._in_flight, None
+        if batch is None:
+            return
+        done = batch.future.result()  # a non-transient database error is raised here
+        if done is None:  # stopped while the database was away: nothing committed, nothing lost
+            self._failed = True
+            return
+        result, committed_at, committed_mono = done
+        self.stats.last_commit_s = committed_mono
+        self.stats.records += batch.records
         self.stats.stored += result.stored
         self.stats.duplicates += result.duplicates
-        self.stats.dead_letters += len(letters)
+        self.stats.dead_letters += len(batch.letters)
         self.stats.batches += 1
-        for dl in letters:
+        for dl in batch.letters:
             self._dlq.send(self.kafka.dlq_topic, key=dl.key, value=dl.value, headers=_dlq_headers(dl))
-        self._commit_kafka(offsets)
+        self._commit_kafka(batch.offsets)
         if self.on_commit is not None:
             self.on_commit(
                 BatchReport(
-                    records=len(records),
+                    records=batch.records,
                     stored=result.stored,
                     duplicates=result.duplicates,
-                    dead_letters=len(letters),
+                    dead_letters=len(batch.letters),
                     committed_at=committed_at,
-                    timestamps_ms=[r.timestamp for r in records],
+                    timestamps_ms=batch.timestamps_ms,
                     stored_ids=result.stored_ids,
                 )
             )
@@ -339,8 +400,11 @@ class IngestConsumer:
         letters: list[DeadLetter],
         offsets: dict[tuple[str, int], int],
         cluster: str | None,
-    ) -> WriteResult | None:
-        """One transaction; transient database errors are retried with backoff until it commits."""
+    ) -> tuple[WriteResult, float, float] | None:
+        """One transaction (in the writer thread); transient errors are retried with backoff until it commits.
+
+        Returns the result with ``time.time()`` and ``time.monotonic()`` right after the commit.
+        """
         delay = self.cfg.retry_initial_s
         while True:
             try:
@@ -348,7 +412,7 @@ class IngestConsumer:
                     result = write_events(session, deliveries)
                     write_dead_letters(session, letters)
                     store_offsets(session, self.kafka.group_id, offsets, cluster)
-                return result
+                return result, time.time(), time.monotonic()
             except DBAPIError as exc:
                 if not _is_transient(exc):
                     raise
@@ -374,6 +438,22 @@ class IngestConsumer:
             log.warning("ingest.kafka_commit_failed", error=str(exc)[:200])
 
 
+def fetch_options(bootstrap: str, kafka: KafkaConfig, ingest: IngestConfig) -> dict[str, Any]:
+    """``KafkaConsumer`` options for how the consumer fetches (shared with the benchmark's baseline)."""
+    # Small fetches keep kafka-python's network thread from holding the GIL for long stretches;
+    # a record larger than the limit still arrives (brokers return the first batch whole).
+    fetch_bytes = ingest.fetch_partition_bytes
+    return {
+        "bootstrap_servers": bootstrap,
+        "enable_auto_commit": False,
+        "auto_offset_reset": "earliest",
+        "max_poll_records": ingest.batch_size,
+        "max_partition_fetch_bytes": fetch_bytes,
+        "fetch_max_bytes": 4 * fetch_bytes,
+        "receive_message_max_bytes": max(8 * fetch_bytes, 4 * kafka.max_message_bytes, 104857600),
+    }
+
+
 def _log_commit_failure(offsets: Any, response: Any) -> None:
     if isinstance(response, Exception):
         log.warning("ingest.kafka_commit_failed", error=str(response)[:200])
@@ -395,7 +475,8 @@ class _SeekToStored(ConsumerRebalanceListener):  # type: ignore[misc]
         self.owner = owner
 
     def on_partitions_revoked(self, revoked: Any) -> None:
-        """Nothing to do: every batch is committed before the next poll."""
+        """Finish the batch in flight, so the next owner starts from offsets that include it."""
+        self.owner._drain()
 
     def on_partitions_assigned(self, assigned: Any) -> None:
         if assigned:

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, cast
 
-from sqlalchemy import JSON, DateTime, Table, select, union_all
+from pydantic import BaseModel
+from sqlalchemy import JSON, DateTime, Table, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
@@ -49,6 +50,10 @@ class Delivery:
     topic: str = ""
     partition: int = -1
     offset: int = -1
+
+
+class JsonText(str):
+    """A value that is already JSON text (serialized by pydantic-core): bound as it is, never re-encoded."""
 
 
 @dataclass(frozen=True)
@@ -88,18 +93,18 @@ def _converters(dialect: str, table: Table, cols: list[str]) -> list[Any]:
     """Per column, the value the driver needs, as SQLAlchemy's types would bind it.
 
     SQLite: timestamps as naive UTC text, JSON as text. PostgreSQL: JSON wrapped for psycopg.
-    Every other value goes as it is.
+    A :class:`JsonText` value is already JSON and goes as it is. Every other value goes as it is.
     """
     out: list[Any] = []
     for name in cols:
         kind = table.c[name].type
         if isinstance(kind, JSON):
             if dialect == "sqlite":
-                out.append(json.dumps)
+                out.append(_json_text)
             else:
                 from psycopg.types.json import Json
 
-                out.append(lambda v, _json=Json: None if v is None else _json(v))
+                out.append(_pg_json(Json))
         elif isinstance(kind, DateTime) and dialect == "sqlite":
             memo: dict[datetime, str] = {}
 
@@ -108,13 +113,47 @@ def _converters(dialect: str, table: Table, cols: list[str]) -> list[Any]:
                     return None
                 text = memo.get(value)
                 if text is None:
-                    text = memo[value] = value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
+                    # SQLAlchemy's SQLite format, "%Y-%m-%d %H:%M:%S.%f" (isoformat is faster than strftime)
+                    text = memo[value] = value.astimezone(UTC).replace(tzinfo=None).isoformat(" ", "microseconds")
                 return text
 
             out.append(as_text)
         else:
             out.append(None)
     return out
+
+
+def _json_text(value: Any) -> str:
+    return str.__str__(value) if type(value) is JsonText else json.dumps(value)
+
+
+def _pg_json(wrapper: Any) -> Any:
+    def convert(value: Any) -> Any:
+        if value is None:
+            return None
+        if type(value) is JsonText:
+            return wrapper(str.__str__(value), dumps=_same)
+        return wrapper(value)
+
+    return convert
+
+
+def _same(text: str) -> str:
+    return text
+
+
+def _driver_error(session: Session) -> type[Exception]:
+    """The driver's base exception class (to re-raise as SQLAlchemy's ``DBAPIError``)."""
+    if session.get_bind().dialect.name == "postgresql":
+        import psycopg
+
+        return psycopg.Error
+    return sqlite3.Error
+
+
+def _cursor(session: Session) -> Any:
+    """A driver cursor on the session's connection, inside its transaction."""
+    return session.connection().connection.driver_connection.cursor()  # type: ignore[union-attr]
 
 
 def _driver_executemany(session: Session, table: Table, rows: list[dict[str, Any]], skip_conflicts: bool) -> int:
@@ -145,7 +184,7 @@ def _driver_executemany(session: Session, table: Table, rows: list[dict[str, Any
     else:
         raise RuntimeError(f"Unsupported database dialect {dialect!r}: use SQLite or PostgreSQL.")
     statement = f'{verb} INTO "{table.name}" ({names}) VALUES ({", ".join([marks] * len(cols))}){tail}'
-    cursor = session.connection().connection.driver_connection.cursor()  # type: ignore[union-attr]
+    cursor = _cursor(session)
     try:
         cursor.executemany(statement, params)
         return int(cursor.rowcount)
@@ -211,6 +250,11 @@ def signal_value(event: schemas.Event) -> float | None:
     return None
 
 
+def payload_json(payload: BaseModel) -> JsonText:
+    """A payload as JSON text, serialized by pydantic-core in one call (unknown fields kept, None left out)."""
+    return JsonText(type(payload).__pydantic_serializer__.to_json(payload, exclude_none=True).decode())
+
+
 def signal_row(event: schemas.Event, received_at: datetime) -> dict[str, Any]:
     """Column values of a ``signals`` row for a non-session event."""
     payload = event.payload
@@ -229,7 +273,7 @@ def signal_row(event: schemas.Event, received_at: datetime) -> dict[str, Any]:
         "received_at": received_at,
         "horizon_s": payload.horizon_s if isinstance(payload, schemas.CodeRetainedPayload) else None,
         "value": signal_value(event),
-        "payload": payload.model_dump(mode="json", exclude_none=True),
+        "payload": payload_json(payload),
     }
 
 
@@ -287,13 +331,26 @@ def existing_event_ids(session: Session, event_ids: Iterable[str]) -> set[str]:
     """Which of ``event_ids`` are already stored (as a session or a signal)."""
     ids = list(event_ids)
     found: set[str] = set()
-    for start in range(0, len(ids), _CHUNK):
-        chunk = ids[start : start + _CHUNK]
-        query = union_all(
-            select(SessionRow.event_id).where(SessionRow.event_id.in_(chunk)),
-            select(SignalRow.event_id).where(SignalRow.event_id.in_(chunk)),
-        )
-        found.update(session.execute(query).scalars())
+    if not ids:
+        return found
+    # One statement per chunk through the driver: SQLAlchemy's expanding IN costs more than the lookup.
+    mark = "%s" if session.get_bind().dialect.name == "postgresql" else "?"
+    cursor = _cursor(session)
+    try:
+        for start in range(0, len(ids), _CHUNK):
+            chunk = ids[start : start + _CHUNK]
+            marks = ", ".join([mark] * len(chunk))
+            statement = (
+                f'SELECT event_id FROM "{_SESSIONS.name}" WHERE event_id IN ({marks}) '
+                f'UNION ALL SELECT event_id FROM "{_SIGNALS.name}" WHERE event_id IN ({marks})'
+            )
+            try:
+                cursor.execute(statement, chunk + chunk)
+                found.update(row[0] for row in cursor.fetchall())
+            except _driver_error(session) as exc:  # raised as SQLAlchemy would (locked, connection lost, ...)
+                raise DBAPIError.instance(statement, None, exc, _driver_error(session)) from exc
+    finally:
+        cursor.close()
     return found
 
 

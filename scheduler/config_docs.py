@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import inspect
 import json
+from itertools import pairwise
 from typing import Any
 
 from pydantic import BaseModel
@@ -25,7 +26,7 @@ def _attribute_docstrings(cls: type) -> dict[str, str]:
         except (OSError, TypeError, SyntaxError):
             continue
         body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-        for node, nxt in zip(body, body[1:], strict=False):
+        for node, nxt in pairwise(body):
             if (
                 isinstance(node, ast.AnnAssign)
                 and isinstance(node.target, ast.Name)

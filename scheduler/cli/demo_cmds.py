@@ -14,7 +14,7 @@ import typer
 
 def demo(
     minutes: float = typer.Option(
-        None, min=0.05, help="Wall-clock minutes of the replayed day (loop: 7, ingest stage: 1)."
+        None, min=0.05, help="Wall-clock minutes of the replayed day (loop: 6, ingest stage: 1)."
     ),
     requests: int = typer.Option(
         None, min=1, help="User requests of synthetic telemetry (600); only for the ingest stage, which it implies."
@@ -42,7 +42,7 @@ def demo(
     from scheduler.demo.report import print_report
     from scheduler.demo.run import DemoOptions, run_demo
 
-    opts = DemoOptions(minutes=minutes or 7.0, seed=seed, keep_running=keep_running, mean_rps=rps, drill=drill)
+    opts = DemoOptions(minutes=minutes or 6.0, seed=seed, keep_running=keep_running, mean_rps=rps, drill=drill)
     report = run_demo(settings, opts)
     if as_json:
         print_json(report)

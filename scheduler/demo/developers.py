@@ -1,7 +1,8 @@
 """Simulated developers: they use the assistant through the gateway and react to what it writes.
 
 Arrivals follow the ServeGen production trace (one day of 10-minute windows, compressed into the
-traffic phase, scaled to a mean wall-clock rate the CPU fleet can serve). Each request is a
+traffic phase, scaled to a mean wall-clock rate the CPU fleet can serve; the next day follows
+until the developers are halted, so a version still being gated at the end gets its traffic). Each request is a
 training task of the family (never a held-out one), sent as prompt token ids with ``candidates: K``
 most of the time. The developers' preference is hidden from the system: they **keep** code that
 passes the task's hidden tests and is concise (the task family's keep rule,
@@ -76,11 +77,14 @@ class DeveloperStats:
     latencies: list[float] = field(default_factory=list)
 
 
-def arrival_schedule(rates: np.ndarray, span_s: float, mean_rps: float, rng: np.random.Generator) -> np.ndarray:
-    """Arrival offsets in ``[0, span_s)``: a Poisson process whose rate follows one day of ``rates``
-    (10-minute windows) compressed into ``span_s`` and scaled to ``mean_rps`` on average."""
+def arrival_schedule(
+    rates: np.ndarray, span_s: float, mean_rps: float, rng: np.random.Generator, days: int = 1
+) -> np.ndarray:
+    """Arrival offsets in ``[0, days * span_s)``: a Poisson process whose rate follows one day of
+    ``rates`` (10-minute windows) compressed into ``span_s`` per day and scaled to ``mean_rps`` on
+    average; later days repeat the first (traffic goes on while the last update is gated)."""
     day = np.asarray(rates[: int(SECONDS_PER_DAY // WINDOW_S)], dtype=np.float64)
-    shape = day / day.mean()
+    shape = np.tile(day / day.mean(), days)
     per_window = span_s / len(day)
     out = []
     for i, s in enumerate(shape):
@@ -122,7 +126,7 @@ class Developers:
         self.speedup = speedup
         self.rng = random.Random(seed)
         self.tasks = [t for t in train_tasks() if not t.heldout]
-        self.arrivals = arrival_schedule(rates, span_s, config.mean_rps, np.random.default_rng(seed))
+        self.arrivals = arrival_schedule(rates, span_s, config.mean_rps, np.random.default_rng(seed), days=2)
         self.stats = DeveloperStats()
         self._halt = threading.Event()
         self._pending: set[asyncio.Task[Any]] = set()

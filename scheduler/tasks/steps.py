@@ -41,6 +41,13 @@ def collect(settings: Settings, engine: Engine, state: State) -> State:
     return {"ingest": counts, "serving_version": state.get("serving_version") or _target(engine)}
 
 
+def _promoted_rm(engine: Engine) -> dict[str, Any]:
+    from reward_models.registry import current_promoted
+
+    row = current_promoted(engine)
+    return {} if row is None else {"version": row.version, "primary_metric": row.primary_metric, "status": row.status}
+
+
 def retrain(settings: Settings, engine: Engine, state: State) -> State:
     """Retrain the reward model when :func:`reward_models.triggers.retrain_decision` says so."""
     from reward_models.train import TrainingDataError, train_reward_models
@@ -48,11 +55,11 @@ def retrain(settings: Settings, engine: Engine, state: State) -> State:
 
     decision = retrain_decision(engine, settings.rewards)
     if not decision.retrain:
-        return {"reward_model": {"retrained": False, "reasons": decision.reasons}}
+        return {"reward_model": {"retrained": False, "reasons": decision.reasons, **_promoted_rm(engine)}}
     try:
         report = train_reward_models(engine, settings.rewards, settings.home, resolved_config=settings.resolved())
     except TrainingDataError as exc:
-        return {"reward_model": {"retrained": False, "reasons": [str(exc)]}}
+        return {"reward_model": {"retrained": False, "reasons": [str(exc)], **_promoted_rm(engine)}}
     return {
         "reward_model": {
             "retrained": True,

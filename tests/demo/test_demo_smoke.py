@@ -38,6 +38,7 @@ def test_demo_loop_produces_a_gated_version(tmp_path: Path) -> None:
         min_new_groups=6,
         drill=False,
         gate_min_requests=3,
+        expected_update_s=20,
         finish_grace_s=150,
     )
     started = time.monotonic()
