@@ -41,3 +41,6 @@ class IngestConfig(BaseModel):
     """Create the telemetry and dead-letter topics when missing (again after an embedded broker restart)."""
     topic_check_s: float = 2.0
     """How often an idle consumer checks that its topic still exists (an embedded broker restart empties it)."""
+    gc_threshold: int = Field(default=50_000, ge=0)
+    """While consuming: objects allocated between young garbage collections (Python's default is 700);
+    long-lived objects are frozen out of the collector at start. 0 leaves the collector as it is."""

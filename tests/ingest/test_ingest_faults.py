@@ -121,6 +121,10 @@ def test_kill_9_three_times_while_20000_events_stream(tmp_path: Path, broker: An
         producer.join(timeout=120)
         assert not producer.is_alive()
         wait_for(lambda: stored_count(reader) >= len(events), 120, "every event")
+        # The consumers before may have stored everything: SIGTERM the last one once it is up (its
+        # handler installed), not while it is still importing.
+        log_path = tmp_path / "consumer.log"
+        wait_for(lambda: log_path.read_text(errors="replace").count("ingest.assigned") >= 4, 60, "the last consumer up")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
     finally:
