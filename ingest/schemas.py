@@ -25,18 +25,19 @@ from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import (
+    AwareDatetime,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
-    GetCoreSchemaHandler,
-    GetJsonSchemaHandler,
+    PrivateAttr,
     StringConstraints,
     TypeAdapter,
     ValidationError,
     field_validator,
     model_validator,
 )
-from pydantic_core import PydanticCustomError, core_schema
+from pydantic_core import PydanticCustomError
 
 SCHEMA_VERSION = 1
 DEFAULT_MAX_BYTES = 1 << 20
@@ -90,38 +91,23 @@ class InvalidEvent(ValueError):
         self.event_id = event_id
 
 
-RFC3339_PATTERN = r"^\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})$"
+_RFC3339 = re.compile(r"^\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})$")
 
 
-class _Rfc3339:
-    """Only an RFC 3339 string with an offset is a timestamp (no epoch numbers, no naive times).
-
-    Checked inside pydantic-core (no Python call per event): the string must match
-    :data:`RFC3339_PATTERN`, then it is parsed as a timezone-aware datetime (which rejects impossible
-    dates and times). From Python, an aware ``datetime`` is accepted as it is.
-    """
-
-    @classmethod
-    def __get_pydantic_core_schema__(cls, source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
-        text = core_schema.chain_schema(
-            [
-                core_schema.str_schema(pattern=RFC3339_PATTERN, strict=True),
-                core_schema.datetime_schema(tz_constraint="aware", strict=False),
-            ]
-        )
-        aware = core_schema.datetime_schema(tz_constraint="aware", strict=True)
-        return core_schema.json_or_python_schema(
-            json_schema=text,
-            python_schema=core_schema.union_schema([aware, text]),
-        )
-
-    @classmethod
-    def __get_pydantic_json_schema__(cls, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler) -> Any:
-        return {"type": "string", "format": "date-time"}
+def _rfc3339(value: Any) -> Any:
+    """Only an RFC 3339 string with an offset is a timestamp (no epoch numbers, no naive times)."""
+    if isinstance(value, datetime):
+        return value
+    if not isinstance(value, str) or not _RFC3339.match(value):
+        raise PydanticCustomError("rfc3339", "must be an RFC 3339 timestamp with offset, e.g. 2025-01-31T12:00:00Z")
+    try:
+        return datetime.fromisoformat(value)
+    except ValueError as exc:
+        raise PydanticCustomError("rfc3339", "not a valid timestamp: {e}", {"e": str(exc)}) from None
 
 
 Id = Annotated[str, StringConstraints(min_length=1, max_length=128)]
-Timestamp = Annotated[datetime, _Rfc3339]
+Timestamp = Annotated[AwareDatetime, BeforeValidator(_rfc3339)]
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 Count = Annotated[int, Field(ge=0, lt=2**31)]
 """Counts fit the database's 32-bit integer columns."""
@@ -230,17 +216,21 @@ class SessionCompletedPayload(_Open):
     latency_ms: float | None = Field(default=None, ge=0)
     files: list[FileChange] | None = None
 
+    _experts_npy: bytes | None = PrivateAttr(default=None)
+
     @model_validator(mode="after")
     def _check(self) -> SessionCompletedPayload:
         if self.candidate_index is not None and self.group_id is None:
             raise PydanticCustomError("candidate_group", "candidate_index needs group_id")
         if self.routed_experts is not None:
-            routed_experts_npy(self.routed_experts)  # checked here, decoded again where rows are built
+            self._experts_npy = routed_experts_npy(self.routed_experts)
         return self
 
     def experts_npy(self) -> bytes | None:
-        """The raw ``.npy`` bytes of ``routed_experts`` (checked at validation)."""
-        return None if self.routed_experts is None else routed_experts_npy(self.routed_experts)
+        """The raw ``.npy`` bytes of ``routed_experts`` (decoded once, at validation)."""
+        if self.routed_experts is not None and self._experts_npy is None:
+            self._experts_npy = routed_experts_npy(self.routed_experts)
+        return self._experts_npy
 
 
 class CandidatesShownPayload(_Open):

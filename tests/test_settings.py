@@ -95,3 +95,12 @@ def test_embedded_database_upgrades_itself_but_postgres_asks(tmp_path: Path, db_
         out = _undertow("db", "upgrade", cwd=tmp_path, env={"UNDERTOW_DATABASE_URL": db_url})
         assert out.returncode == 0, out.stderr
         open_database(Settings(database_url=db_url))
+
+
+def test_configuration_reference_is_current() -> None:
+    """docs/configuration.md is generated from the settings tree; regenerate with `undertow config docs`."""
+    from scheduler.config_docs import render_reference
+
+    path = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+    assert path.read_text() == render_reference(), "run `undertow config docs --output docs/configuration.md`"
+    assert "`UNDERTOW_KAFKA__TOPIC`" in path.read_text()
