@@ -6,8 +6,9 @@ event or raises :class:`InvalidEvent` carrying a machine-readable ``reason`` for
 store. Unknown payload fields are kept (``extra="allow"``); unknown envelope fields are ignored.
 
 Validation is strict (JSON types are not coerced: ``"3"`` is not an int, ``true`` is not ``1``).
-The fast path validates the raw bytes in one pass with pydantic-core; only a message that fails
-is re-examined to find the precise reason.
+The consumer tries :mod:`ingest.fastpath` (msgspec, a mirror of these models) first; a message it
+refuses is validated here in one pass by pydantic-core, and only one that fails is re-examined to
+find the precise reason.
 
 Left out on purpose: ``routed_experts`` is checked to be an integer ``.npy`` array of rank 3, but
 its row count is not compared with the token count (the prompt may arrive as text only).
@@ -25,19 +26,18 @@ from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import (
-    AwareDatetime,
     BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
-    PrivateAttr,
+    GetCoreSchemaHandler,
+    GetJsonSchemaHandler,
     StringConstraints,
     TypeAdapter,
     ValidationError,
     field_validator,
     model_validator,
 )
-from pydantic_core import PydanticCustomError
+from pydantic_core import PydanticCustomError, core_schema
 
 SCHEMA_VERSION = 1
 DEFAULT_MAX_BYTES = 1 << 20
@@ -91,23 +91,38 @@ class InvalidEvent(ValueError):
         self.event_id = event_id
 
 
-_RFC3339 = re.compile(r"^\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})$")
+RFC3339_PATTERN = r"^\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})$"
 
 
-def _rfc3339(value: Any) -> Any:
-    """Only an RFC 3339 string with an offset is a timestamp (no epoch numbers, no naive times)."""
-    if isinstance(value, datetime):
-        return value
-    if not isinstance(value, str) or not _RFC3339.match(value):
-        raise PydanticCustomError("rfc3339", "must be an RFC 3339 timestamp with offset, e.g. 2025-01-31T12:00:00Z")
-    try:
-        return datetime.fromisoformat(value)
-    except ValueError as exc:
-        raise PydanticCustomError("rfc3339", "not a valid timestamp: {e}", {"e": str(exc)}) from None
+class _Rfc3339:
+    """Only an RFC 3339 string with an offset is a timestamp (no epoch numbers, no naive times).
+
+    Checked inside pydantic-core (no Python call per event): the string must match
+    :data:`RFC3339_PATTERN`, then it is parsed as a timezone-aware datetime (which rejects impossible
+    dates and times). From Python, an aware ``datetime`` is accepted as it is.
+    """
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
+        text = core_schema.chain_schema(
+            [
+                core_schema.str_schema(pattern=RFC3339_PATTERN, strict=True),
+                core_schema.datetime_schema(tz_constraint="aware", strict=False),
+            ]
+        )
+        aware = core_schema.datetime_schema(tz_constraint="aware", strict=True)
+        return core_schema.json_or_python_schema(
+            json_schema=text,
+            python_schema=core_schema.union_schema([aware, text]),
+        )
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler) -> Any:
+        return {"type": "string", "format": "date-time"}
 
 
 Id = Annotated[str, StringConstraints(min_length=1, max_length=128)]
-Timestamp = Annotated[AwareDatetime, BeforeValidator(_rfc3339)]
+Timestamp = Annotated[datetime, _Rfc3339]
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 Count = Annotated[int, Field(ge=0, lt=2**31)]
 """Counts fit the database's 32-bit integer columns."""
@@ -216,21 +231,17 @@ class SessionCompletedPayload(_Open):
     latency_ms: float | None = Field(default=None, ge=0)
     files: list[FileChange] | None = None
 
-    _experts_npy: bytes | None = PrivateAttr(default=None)
-
     @model_validator(mode="after")
     def _check(self) -> SessionCompletedPayload:
         if self.candidate_index is not None and self.group_id is None:
             raise PydanticCustomError("candidate_group", "candidate_index needs group_id")
         if self.routed_experts is not None:
-            self._experts_npy = routed_experts_npy(self.routed_experts)
+            routed_experts_npy(self.routed_experts)  # checked here, decoded again where rows are built
         return self
 
     def experts_npy(self) -> bytes | None:
-        """The raw ``.npy`` bytes of ``routed_experts`` (decoded once, at validation)."""
-        if self.routed_experts is not None and self._experts_npy is None:
-            self._experts_npy = routed_experts_npy(self.routed_experts)
-        return self._experts_npy
+        """The raw ``.npy`` bytes of ``routed_experts`` (checked at validation)."""
+        return None if self.routed_experts is None else routed_experts_npy(self.routed_experts)
 
 
 class CandidatesShownPayload(_Open):

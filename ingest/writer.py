@@ -23,13 +23,14 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, cast
 
+import msgspec
 from pydantic import BaseModel
 from sqlalchemy import JSON, DateTime, Table, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from ingest import schemas
+from ingest import fastpath, schemas
 from ingest.arrays import pack_floats, pack_ids
 from ingest.tables import ConsumerOffsetRow, DeadLetterRow, DuplicateRow, SegmentRow, SessionRow, SignalRow
 
@@ -44,9 +45,12 @@ _OFFSETS = cast(Table, ConsumerOffsetRow.__table__)
 
 @dataclass(frozen=True)
 class Delivery:
-    """One validated event and where it was read from (``topic=""`` when it came from elsewhere)."""
+    """One validated event and where it was read from (``topic=""`` when it came from elsewhere).
 
-    event: schemas.Event
+    The event is the contract's pydantic model, or its :mod:`ingest.fastpath` mirror (same attributes).
+    """
+
+    event: schemas.Event | fastpath.FastEvent
     topic: str = ""
     partition: int = -1
     offset: int = -1
@@ -225,37 +229,41 @@ def _insert_new(session: Session, table: Table, rows: list[dict[str, Any]], rece
     return ours
 
 
-def _utc(ts: datetime) -> datetime:
-    return ts.astimezone(UTC)
+def _utc(ts: Any) -> datetime:
+    """An event's ``occurred_at`` (an aware datetime on both paths: the fast one parses it after decoding) in UTC."""
+    return cast(datetime, ts).astimezone(UTC)
 
 
-def signal_value(event: schemas.Event) -> float | None:
+def signal_value(event: schemas.Event | fastpath.FastEvent) -> float | None:
     """The number a signal carries in ``signals.value``.
 
     ``code.retained``: lines_retained / lines_written (None when nothing was written);
     ``feedback.thumbs``: +1 or -1; ``edit.*``: lines; ``candidates.shown``: K;
     ``user.churned``: inactive days; otherwise None.
     """
-    payload = event.payload
-    if isinstance(payload, schemas.CodeRetainedPayload):
-        return payload.lines_retained / payload.lines_written if payload.lines_written else None
-    if isinstance(payload, schemas.ThumbsPayload):
+    payload: Any = event.payload
+    kind = event.type
+    if kind == schemas.CODE_RETAINED:
+        return payload.lines_retained / payload.lines_written if payload.lines_written else None  # type: ignore[no-any-return]
+    if kind == schemas.FEEDBACK_THUMBS:
         return float(payload.value)
-    if isinstance(payload, schemas.EditPayload):
+    if kind in (schemas.EDIT_ACCEPTED, schemas.EDIT_REJECTED):
         return float(payload.lines) if payload.lines is not None else None
-    if isinstance(payload, schemas.CandidatesShownPayload):
+    if kind == schemas.CANDIDATES_SHOWN:
         return float(len(payload.session_ids))
-    if isinstance(payload, schemas.ChurnedPayload):
+    if kind == schemas.USER_CHURNED:
         return float(payload.inactive_days)
     return None
 
 
-def payload_json(payload: BaseModel) -> JsonText:
-    """A payload as JSON text, serialized by pydantic-core in one call (unknown fields kept, None left out)."""
+def payload_json(payload: BaseModel | msgspec.Struct) -> JsonText:
+    """A payload as JSON text, serialized in one call (unknown fields kept, None left out)."""
+    if isinstance(payload, msgspec.Struct):  # the fast path's structs omit None defaults, in field order
+        return JsonText(msgspec.json.encode(payload).decode())
     return JsonText(type(payload).__pydantic_serializer__.to_json(payload, exclude_none=True).decode())
 
 
-def signal_row(event: schemas.Event, received_at: datetime) -> dict[str, Any]:
+def signal_row(event: schemas.Event | fastpath.FastEvent, received_at: datetime) -> dict[str, Any]:
     """Column values of a ``signals`` row for a non-session event."""
     payload = event.payload
     group_id = (
@@ -271,19 +279,25 @@ def signal_row(event: schemas.Event, received_at: datetime) -> dict[str, Any]:
         "group_id": group_id,
         "occurred_at": _utc(event.occurred_at),
         "received_at": received_at,
-        "horizon_s": payload.horizon_s if isinstance(payload, schemas.CodeRetainedPayload) else None,
+        "horizon_s": payload.horizon_s if event.type == schemas.CODE_RETAINED else None,  # type: ignore[union-attr]
         "value": signal_value(event),
         "payload": payload_json(payload),
     }
 
 
-def session_rows(event: schemas.SessionCompleted, received_at: datetime) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def session_rows(
+    event: schemas.SessionCompleted | fastpath.SessionCompleted, received_at: datetime
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Column values of the ``sessions`` row and its ``session_segments`` rows."""
-    p = event.payload
+    p: Any = event.payload
     assistant = [s for s in p.segments if s.role == "assistant"]
     extra: dict[str, Any] = dict(p.model_extra or {})
     if p.sampling is not None:
-        extra["sampling"] = p.sampling.model_dump(mode="json", exclude_none=True)
+        extra["sampling"] = (
+            msgspec.to_builtins(p.sampling)
+            if isinstance(p.sampling, msgspec.Struct)
+            else p.sampling.model_dump(mode="json", exclude_none=True)
+        )
     if p.files is not None:
         extra["files"] = [
             {"path": f.path, "lines_added": f.lines_added, "lines_removed": f.lines_removed, **(f.model_extra or {})}
@@ -376,8 +390,8 @@ def write_events(
     segments: dict[str, list[dict[str, Any]]] = {}
     signals: list[dict[str, Any]] = []
     for d in fresh.values():
-        if isinstance(d.event, schemas.SessionCompleted):
-            row, segs = session_rows(d.event, received_at)
+        if d.event.type == schemas.SESSION_COMPLETED:
+            row, segs = session_rows(d.event, received_at)  # type: ignore[arg-type]
             if row["session_id"] in segments:  # the same session twice in one batch, under two event ids
                 continue  # counted below: not inserted
             sessions.append(row)
