@@ -43,8 +43,12 @@ class SchedulerConfig(BaseModel):
     """Past days the seasonal demand profile is built from."""
     forecast_trend_windows: int = Field(default=6, ge=1)
     """Recent windows the level (trend) correction is measured over."""
-    forecast_quantile: float = Field(default=0.95, gt=0.5, lt=1)
+    forecast_quantile: float = Field(default=0.8, gt=0.5, lt=1)
     """Upper quantile of the forecast's own past errors added on top of the point forecast."""
+    burst_reserve_quantile: float = Field(default=0.999, gt=0.5, lt=1)
+    """Error quantile of the tail forecast that sizes the hot reserve of generation replicas."""
+    max_generation_share: float = Field(default=0.6, ge=0, le=1)
+    """Most of the borrowed replicas that may generate (the hot reserve) instead of training."""
     headroom: float = Field(default=0.05, ge=0)
     """Capacity kept above the forecast demand, as a fraction of it."""
     latency_slo_s: float = Field(default=2.0, gt=0)
@@ -71,10 +75,10 @@ class SchedulerConfig(BaseModel):
     """Recall borrowed replicas once demand exceeds this fraction of the serving capacity."""
     lease_ttl_s: float = Field(default=120.0, gt=0)
     """A borrowed replica's lease expires unless its holder renews it within this."""
-    generation_cost_per_token: float = Field(default=1.0, gt=0)
-    """Measured cost of generating one rollout token (forward passes)."""
+    generation_cost_per_token: float = Field(default=1.5, gt=0)
+    """Measured cost of generating one rollout token, in forward-pass time (memory-bound decoding: 1.5)."""
     training_cost_per_token: float = Field(default=3.0, gt=0)
-    """Cost of training one token in forward passes (forward + backward = 3): a quarter of borrowed time generates."""
+    """Cost of training one token in forward passes (forward + backward = 3): a third of borrowed time generates."""
     fixed_window_start_h: float = Field(default=1.0, ge=0, lt=24)
     """Baseline: local hour the fixed nightly borrowing window opens."""
     fixed_window_end_h: float = Field(default=6.0, gt=0, le=24)

@@ -7,7 +7,8 @@ policies through the same borrowing machinery:
 - **planner**: the production path: :class:`~scheduler.planner.forecast.DemandForecaster` sees only
   what the fleet has measured by decision time (``return_s`` before the window starts, so a
   returning replica is serving on time), sizes the serving set with headroom at the SLO capacity,
-  and lends the rest; when a burst outgrows the plan it recalls replicas (preemption);
+  and lends the rest, with a hot reserve of generation replicas sized by the forecaster's tail;
+  when a burst outgrows the plan it recalls replicas (preemption);
 - **fixed window**: the usual operator rule: lend a fixed number of replicas every night between
   two local hours, sized from the warm-up days with the same headroom (and the same preemption);
 - **oracle**: knows every window's true peak in hindsight and lends exactly what it does not need
@@ -31,7 +32,7 @@ import numpy as np
 
 from scheduler.config import PoolConfig, SchedulerConfig
 from scheduler.planner.borrow import BorrowTimings, replicas_to_recall
-from scheduler.planner.capacity import lendable_replicas, replicas_needed, split_borrowed
+from scheduler.planner.capacity import hot_fraction, hot_reserve, lendable_replicas, replicas_needed, split_borrowed
 from scheduler.planner.demand import sample_interval_demand, window_peaks
 from scheduler.planner.forecast import DemandForecaster
 from scheduler.planner.trace import Trace, TraceError
@@ -72,18 +73,25 @@ class PoolSetup:
     min_serving: int
 
 
-def planner_targets(peaks_seen: np.ndarray, setup: PoolSetup, cfg: SchedulerConfig, wpd: int) -> np.ndarray:
-    """Replicas the planner lends per window, from what was measured before each decision."""
+def planner_targets(
+    peaks_seen: np.ndarray, setup: PoolSetup, cfg: SchedulerConfig, wpd: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Replicas the planner lends per window, and the hot reserve it asks for among them, from
+    what was measured before each decision."""
     f = DemandForecaster(wpd, cfg.forecast_history_days, cfg.forecast_trend_windows, cfg.forecast_quantile)
     targets = np.zeros(len(peaks_seen), dtype=np.int64)
+    reserve = np.zeros(len(peaks_seen), dtype=np.int64)
+    hot = hot_fraction(cfg.generation_return_s, cfg.burst_interval_s)
     for w in range(len(peaks_seen)):
         upper = f.forecast(w)
         # After a telemetry gap the planner has no recent measurement: it lends nothing until it has one.
         if upper is not None and w > 0 and not math.isnan(peaks_seen[w - 1]):
             needed = replicas_needed(upper, setup.capacity_rps, cfg.headroom)
             targets[w] = lendable_replicas(setup.replicas, needed, setup.min_serving)
+            tail = f.forecast(w, cfg.burst_reserve_quantile) or upper
+            reserve[w] = hot_reserve(tail, upper, setup.capacity_rps, cfg.headroom, hot)
         f.observe(w, float(peaks_seen[w]))
-    return targets
+    return targets, reserve
 
 
 def oracle_targets(peaks: np.ndarray, setup: PoolSetup) -> np.ndarray:
@@ -154,6 +162,7 @@ def replay(
     first: int,
     preempt: bool = True,
     seed: int = 0,
+    reserve: np.ndarray | None = None,
 ) -> PolicyResult:
     """Run lending targets against the interval demand from window ``first`` on.
 
@@ -161,7 +170,8 @@ def replay(
     interval's demand overflows the serving replicas, awake generation replicas take the overflow
     after ``generation_return_s`` (they keep the serving weights); past the trigger utilization,
     replicas are recalled (generation first, then those still asleep, then training, which yields
-    at its next step boundary and checkpoints).
+    at its next step boundary and checkpoints). ``reserve`` (the planner's hot reserve per window)
+    moves borrowed replicas from training to generation (:func:`split_borrowed`).
     """
     timings = BorrowTimings(
         cfg.drain_s, cfg.sleep_s, cfg.checkpoint_s, cfg.wake_s, cfg.verify_s, cfg.generation_return_s
@@ -171,7 +181,7 @@ def replay(
     window_s = float(cfg.window_s)
     tau = window_s / k
     cap = setup.capacity_rps
-    hot_fraction = max(0.0, 1.0 - timings.generation_return_s / tau)
+    hot_share = hot_fraction(cfg.generation_return_s, cfg.burst_interval_s)
     res = PolicyResult()
     lent_end = 0
     prev_gen_share = 0.0
@@ -189,7 +199,13 @@ def replay(
             lost = returning * min(timings.return_s + cfg.train_step_s, window_s)
             res.harvested_replica_s -= lost
             res.generation_replica_s -= lost * prev_gen_share
-        gen, _ = split_borrowed(target, cfg.generation_cost_per_token, cfg.training_cost_per_token)
+        gen, _ = split_borrowed(
+            target,
+            cfg.generation_cost_per_token,
+            cfg.training_cost_per_token,
+            int(reserve[w]) if reserve is not None else 0,
+            cfg.max_generation_share,
+        )
         kept = min(lent_end, target)
         is_gen = [j < gen for j in range(target)]
         usable_from = [
@@ -212,10 +228,10 @@ def replay(
                 if preempt and d > capacity:
                     # Spill-over onto awake generation replicas within the interval.
                     hot = [j for j in lent.order(window_s) if is_gen[j]]
-                    need = math.ceil((d - capacity) / (cap * hot_fraction) - 1e-9) if hot_fraction > 0 else 0
+                    need = math.ceil((d - capacity) / (cap * hot_share) - 1e-9) if hot_share > 0 else 0
                     for j in hot[:need]:
                         _recall(lent, j, t0, timings, cfg, rng, res)
-                        capacity += cap * hot_fraction
+                        capacity += cap * hot_share
                         arrivals.append((t0 + tau, 1))
                     arrivals.sort()
                 if capacity < d <= setup.replicas * cap:
@@ -292,10 +308,11 @@ def simulate(
         # What the fleet has measured when it decides: the previous window up to `lead` before its end.
         seen = demand[:, : k - lead_intervals] if lead_intervals < k else demand[:, :1]
         peaks_seen = window_peaks(seen)
+        planned, reserve = planner_targets(peaks_seen, setup, cfg, wpd)
         policies = {
-            "planner": (planner_targets(peaks_seen, setup, cfg, wpd), True),
-            "fixed": (fixed_window_targets(peaks, local, setup, cfg, first), True),
-            "oracle": (oracle_targets(peaks, setup), False),
+            "planner": (planned, True, reserve),
+            "fixed": (fixed_window_targets(peaks, local, setup, cfg, first), True, None),
+            "oracle": (oracle_targets(peaks, setup), False, None),
         }
         scale = pool.gpus_per_replica / 3600.0
         pool_out: dict[str, Any] = {
@@ -305,8 +322,8 @@ def simulate(
             "utc_offset_h": pool.utc_offset_h,
             "replica_capacity_rps": round(setup.capacity_rps, 3),
         }
-        for name, (targets, preempt) in policies.items():
-            r = replay(targets, demand, setup, cfg, first, preempt=preempt, seed=seed + n)
+        for name, (targets, preempt, hot_replicas) in policies.items():
+            r = replay(targets, demand, setup, cfg, first, preempt=preempt, seed=seed + n, reserve=hot_replicas)
             pool_out[f"{name}_gpu_h"] = round(r.harvested_replica_s * scale, 3)
             r.harvested_replica_s *= pool.gpus_per_replica
             r.generation_replica_s *= pool.gpus_per_replica

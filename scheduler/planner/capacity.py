@@ -9,16 +9,20 @@ Generation and training share the borrowed replicas in proportion to their measu
 token, so both stages of an RL step finish together (neither waits on the other):
 
     generation_share = c_gen / (c_gen + c_train)
+    generation       = max( generation_share * n, min(hot_reserve, max_generation_share * n) )
 
 Derivation of the default. Every token of an RL step is generated once and trained on once. A
 forward pass costs about ``2N`` FLOPs per token for ``N`` parameters and a backward pass about
 ``4N`` (Kaplan et al., *Scaling Laws for Neural Language Models*, 2020, sec. 2.1), so training
 costs ``c_train = 3`` forward passes per token and generation ``c_gen = 1``. For both stages to
 keep pace, replica-time must split as the work does: generation gets ``1 / (1 + 3) = 1/4`` of the
-borrowed replicas, training ``3/4``. The issue's "roughly a third generates" is the same rule
-with decode running at about two thirds of training's per-FLOP efficiency (memory-bound
-decoding): ``c_gen = 1.5`` gives ``1.5 / 4.5 = 1/3``. The defaults use the FLOP count
-(``c_gen = 1``, ``c_train = 3``); a fleet that measures its own seconds per token configures them.
+borrowed replicas, training ``3/4``. Decoding is memory-bound and runs at about two thirds of
+training's per-FLOP efficiency, so in seconds ``c_gen = 1.5``: ``1.5 / 4.5 = 1/3`` generates, the
+default; a fleet that measures its own seconds per token configures them.
+
+The hot reserve (``hot_reserve``) moves borrowed replicas from training to generation, up to
+``max_generation_share`` of them, when the forecaster's tail says a burst could outgrow the planned
+serving set: generation replicas are back within seconds, training ones in tens of seconds.
 """
 
 from __future__ import annotations
@@ -75,16 +79,43 @@ def lendable_replicas(replicas: int, needed: int, min_serving: int) -> int:
     return max(0, min(replicas - needed, replicas - min_serving))
 
 
-def split_borrowed(n: int, generation_cost: float, training_cost: float) -> tuple[int, int]:
+def split_borrowed(
+    n: int, generation_cost: float, training_cost: float, reserve: int = 0, max_generation_share: float = 1.0
+) -> tuple[int, int]:
     """``(generation, training)`` replicas out of ``n`` borrowed, in proportion to cost per token.
 
     Each stage gets at least one replica once two or more are borrowed (a lone replica trains:
-    the rollouts then come from the serving fleet's own telemetry).
+    the rollouts then come from the serving fleet's own telemetry). ``reserve`` asks for that many
+    hot (generation) replicas: generation then gets ``min(reserve, ceil(max_generation_share * n))``
+    when that is more than its cost share (see :func:`hot_reserve`).
     """
     if n <= 0:
         return 0, 0
     if n == 1:
         return 0, 1
     share = generation_cost / (generation_cost + training_cost)
-    gen = min(n - 1, max(1, round(n * share)))
+    gen = max(1, round(n * share), min(reserve, math.ceil(max_generation_share * n - 1e-9)))
+    gen = min(n - 1, gen)
     return gen, n - gen
+
+
+def hot_fraction(generation_return_s: float, burst_interval_s: float) -> float:
+    """Share of a burst interval that a recalled generation replica serves (it needs ``generation_return_s``)."""
+    return max(0.0, 1.0 - generation_return_s / burst_interval_s)
+
+
+def hot_reserve(tail_rps: float, upper_rps: float, capacity_rps: float, headroom: float, hot_fraction: float) -> int:
+    """Generation replicas that absorb a burst up to the tail forecast beyond the planned serving set.
+
+        reserve = ceil( (needed(tail) - needed(upper)) / hot_fraction )
+
+    A generation replica keeps the serving weights awake: recalled, it aborts its rollouts and
+    serves within ``generation_return_s``, i.e. ``hot_fraction = 1 - generation_return_s / tau``
+    of its capacity over the burst interval ``tau``. Training replicas sleep and need tens of
+    seconds (checkpoint, wake, verify), longer than a burst, so only the generation share can
+    absorb one; its extra rollouts feed larger GRPO candidate groups.
+    """
+    if hot_fraction <= 0:
+        return 0
+    extra = replicas_needed(tail_rps, capacity_rps, headroom) - replicas_needed(upper_rps, capacity_rps, headroom)
+    return max(0, math.ceil(extra / hot_fraction - 1e-9))

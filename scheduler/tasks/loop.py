@@ -15,7 +15,7 @@ import structlog
 from celery import chain
 
 from scheduler.celery_app import app, worker_engine, worker_settings
-from scheduler.planner.capacity import lendable_replicas, replicas_needed
+from scheduler.planner.capacity import hot_fraction, hot_reserve, lendable_replicas, replicas_needed, split_borrowed
 from scheduler.planner.forecast import forecast_from_history
 from scheduler.planner.pools import PoolOffer, allocate
 from scheduler.tasks import leases
@@ -89,15 +89,34 @@ def plan_pool(fleet: FleetControl, settings: Settings, pool: str, replicas: int)
     cfg = settings.scheduler
     history = fleet.load_history(pool, cfg.window_s)
     wpd = 86400 // cfg.window_s
-    upper = forecast_from_history(
-        history, wpd, cfg.forecast_history_days, cfg.forecast_trend_windows, cfg.forecast_quantile
+    upper, tail = forecast_from_history(
+        history,
+        wpd,
+        cfg.forecast_history_days,
+        cfg.forecast_trend_windows,
+        cfg.forecast_quantile,
+        cfg.burst_reserve_quantile,
     )
     if upper is None:
-        return {"pool": pool, "forecast_rps": None, "needed": replicas, "lendable": 0}
+        return {"pool": pool, "forecast_rps": None, "needed": replicas, "lendable": 0, "generation": 0}
     capacity = fleet.capacity_rps(pool)
     needed = replicas_needed(upper, capacity, cfg.headroom)
     lendable = lendable_replicas(replicas, needed, min(cfg.min_serving_replicas, replicas))
-    return {"pool": pool, "forecast_rps": upper, "capacity_rps": capacity, "needed": needed, "lendable": lendable}
+    hot = hot_fraction(cfg.generation_return_s, cfg.burst_interval_s)
+    reserve = hot_reserve(tail or upper, upper, capacity, cfg.headroom, hot)
+    generation, _ = split_borrowed(
+        lendable, cfg.generation_cost_per_token, cfg.training_cost_per_token, reserve, cfg.max_generation_share
+    )
+    return {
+        "pool": pool,
+        "forecast_rps": upper,
+        "tail_forecast_rps": tail,
+        "capacity_rps": capacity,
+        "needed": needed,
+        "lendable": lendable,
+        "hot_reserve": reserve,
+        "generation": generation,
+    }
 
 
 def choose_replicas(fleet: FleetControl, engine: Engine, settings: Settings, wanted: int) -> list[tuple[str, str]]:

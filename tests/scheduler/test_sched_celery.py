@@ -196,6 +196,8 @@ def test_beat_planning_recalls_what_a_pool_can_no_longer_lend(shared: dict[str, 
     assert leases.acquire(engine, "r3", "default", "holder-plan", "training", 60)
     quiet = celery.send_task("undertow.plan_capacity").get(timeout=60)["plans"][0]
     assert quiet["lendable"] >= 1 and quiet["recalled"] == []  # 50 rps of 400: room to lend
+    assert 0 <= quiet["generation"] < max(2, quiet["lendable"]) and quiet["hot_reserve"] >= 0
+    assert quiet["tail_forecast_rps"] >= quiet["forecast_rps"]
     with fleet._edit() as s:
         s["load_rps"] = 330.0  # the forecast now needs every replica
     try:

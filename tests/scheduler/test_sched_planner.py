@@ -19,6 +19,8 @@ from scheduler.planner.borrow import (
 )
 from scheduler.planner.capacity import (
     capacity_at_slo,
+    hot_fraction,
+    hot_reserve,
     lendable_replicas,
     queueing_p99_latency,
     replicas_needed,
@@ -85,8 +87,26 @@ def test_forecast_handles_gaps_and_cold_start() -> None:
     assert f.forecast(2) == pytest.approx(500.0 * f.cold_margin)
     y = _daily(3)
     y[100:110] = np.nan
-    up = forecast_from_history(y, W, history_days=2)
+    up, tail = forecast_from_history(y, W, history_days=2, quantile=0.8, tail_quantile=0.999)
     assert up is not None and math.isfinite(up) and up >= y[-W + 1] * 0.9
+    assert tail is not None and tail >= up
+
+
+def test_forecast_never_plans_below_the_peak_just_measured() -> None:
+    y = _daily(5)
+    with_floor, without = (
+        DemandForecaster(W, history_days=3),
+        DemandForecaster(W, history_days=3, persistence_floor=False),
+    )
+    for f in (with_floor, without):
+        for i in range(4 * W):
+            f.forecast(i)
+            f.observe(i, y[i])
+        f.observe(4 * W, 3.0 * y[4 * W])  # a surge the median level has not caught up with
+    assert without.forecast(4 * W + 1) < 3.0 * y[4 * W]
+    assert with_floor.forecast(4 * W + 1) == pytest.approx(3.0 * y[4 * W])
+    # The tail quantile of the same errors is at least the planning one.
+    assert with_floor.margin(4 * W + 1, 0.999) >= with_floor.margin(4 * W + 1, 0.8)
 
 
 def test_capacity_at_slo_interpolates_a_measured_curve() -> None:
@@ -115,6 +135,21 @@ def test_lending_and_split() -> None:
     assert split_borrowed(9, 1, 2) == (3, 6)  # a third generates
     assert split_borrowed(8, 1, 3) == (2, 6)  # a quarter at 1:3
     assert split_borrowed(2, 1, 100) == (1, 1)
+    # The hot reserve moves replicas from training to generation, up to the share cap, and
+    # training keeps at least one replica.
+    assert split_borrowed(9, 1.5, 3, reserve=5, max_generation_share=0.6) == (5, 4)
+    assert split_borrowed(10, 1.5, 3, reserve=9, max_generation_share=0.6) == (6, 4)
+    assert split_borrowed(9, 1.5, 3, reserve=1, max_generation_share=0.6) == (3, 6)  # cost share wins
+    assert split_borrowed(2, 1.5, 3, reserve=5, max_generation_share=1.0) == (1, 1)
+
+
+def test_hot_reserve_covers_the_tail_beyond_the_plan() -> None:
+    assert hot_fraction(2.0, 10.0) == pytest.approx(0.8)
+    assert hot_fraction(20.0, 10.0) == 0.0
+    # Tail needs 13 replicas, the plan 10: 3 replicas of burst, each recalled one serves 80% of it.
+    assert hot_reserve(1300, 1000, 100, 0.0, 0.8) == 4
+    assert hot_reserve(1000, 1000, 100, 0.0, 0.8) == 0
+    assert hot_reserve(1300, 1000, 100, 0.0, 0.0) == 0
 
 
 def test_state_machine() -> None:
