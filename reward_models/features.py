@@ -38,7 +38,8 @@ _BIGRAM_MUL = np.uint64(1000003)
 
 def _tokens(texts: pd.Series) -> tuple[np.ndarray, np.ndarray]:
     """Flat array of whitespace tokens and the number per document."""
-    split = [str(t).split() for t in texts]
+    # ``tolist`` first: iterating a pandas string array item by item costs more than the split.
+    split = [str(t).split() for t in texts.tolist()]
     lens = np.fromiter(map(len, split), dtype=np.int64, count=len(split))
     flat = np.fromiter(itertools.chain.from_iterable(split), dtype=object, count=int(lens.sum()))
     return flat, lens
