@@ -2,8 +2,10 @@
 
 Contract (other layers rely on it):
 
-- :data:`PRESETS`: ``tiny`` (about 1M parameters, trains on a laptop CPU in minutes) and
-  ``small`` (about 10M). Both are ``Qwen3MoeForCausalLM`` (all layers sparse, top-2 routing).
+- :data:`PRESETS`: ``tiny`` (about 1M parameters, trains on a laptop CPU in minutes),
+  ``small`` (about 10M) and ``medium`` (about 110M, 8 experts of 1024x1024: a size where moving
+  weights costs more than the round trips around it, for the deployment benchmark). All are
+  ``Qwen3MoeForCausalLM`` (all layers sparse, top-2 routing).
 - :func:`build_model` ``(preset, vocab_size, seed) -> Qwen3MoeForCausalLM``: fresh weights,
   deterministic for a seed, float32, eval mode (no dropout anywhere).
 - :func:`save_checkpoint` ``(model, tokenizer, path)``: a Hugging Face directory
@@ -51,6 +53,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_experts_per_tok=2,
         moe_intermediate_size=192,
         intermediate_size=512,
+        max_position_embeddings=1024,
+    ),
+    "medium": dict(
+        hidden_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=1024,
+        intermediate_size=2048,
         max_position_embeddings=1024,
     ),
 }

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from serving.protocol import ApplyRequest, CompletionResponse, PrefetchRequest, WeightInfo
+from serving.protocol import ApplyRequest, ApplyResult, CompletionResponse, PrefetchRequest, WeightInfo
 
 
 class EngineError(RuntimeError):
@@ -126,9 +126,9 @@ class EngineClient:
         result: dict[str, Any] = await self.rpc("undertow_prefetch", **req.model_dump())
         return result
 
-    async def apply(self, req: ApplyRequest) -> WeightInfo:
+    async def apply(self, req: ApplyRequest) -> ApplyResult:
         """Apply the staged update (engine paused); raises when the hash does not match."""
-        return WeightInfo.model_validate(await self.rpc("undertow_apply", **req.model_dump()))
+        return ApplyResult.model_validate(await self.rpc("undertow_apply", **req.model_dump()))
 
     async def discard(self) -> None:
         await self.rpc("undertow_discard")

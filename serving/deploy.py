@@ -17,6 +17,7 @@ replicas, which the balancer already shares traffic with.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -56,6 +57,10 @@ class RolloutResult:
     pause_ms: dict[str, float] = field(default_factory=dict)
     pulled_bytes: dict[str, int] = field(default_factory=dict)
     stages: list[dict[str, Any]] = field(default_factory=list)
+    phases: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Seconds per step: per replica (``prefetch``, ``registry``, ``drain``, ``apply``, ``resume``, and the
+    engine's own ``engine_prefetch``/``engine_apply`` phases), and for the rollout as a whole (``rollout``:
+    ``setup``, ``gate``, ``finish``)."""
 
 
 def gate(new: dict[str, Any] | None, old: dict[str, Any] | None, config: DeployConfig) -> tuple[bool, str]:
@@ -118,7 +123,7 @@ async def _wait_gate(
         if (new and new.get("requests", 0) >= config.gate_min_requests) or time.monotonic() > deadline:
             ok, why = gate(new, old, config)
             return ok, why, {"new": new, "old": old}
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.05)
 
 
 async def _move(
@@ -129,11 +134,22 @@ async def _move(
     kind: str,
     config: DeployConfig,
     pulled: dict[str, Any] | None = None,
+    client: EngineClient | None = None,
+    timings: dict[str, Any] | None = None,
 ) -> tuple[int, float]:
-    """Update one replica (``pulled``: already prefetched); returns (bytes pulled, pause ms)."""
+    """Update one replica (``pulled``: already prefetched); returns (bytes pulled, pause ms).
+
+    ``timings`` receives the seconds of each step (see :func:`serving.fleet.update_replica`) and
+    of the registry writes (``registry``)."""
+    times = timings if timings is not None else {}
+    start = time.perf_counter()
     fleet.set_state(db, rep.id, "updating")
+    times["registry"] = time.perf_counter() - start
+    recorded = False
     try:
-        async with EngineClient(rep.url) as client:
+        async with contextlib.AsyncExitStack() as stack:
+            if client is None:
+                client = await stack.enter_async_context(EngineClient(rep.url))
             pulled, pause_ms = await fleet.update_replica(
                 client,
                 version,
@@ -142,11 +158,16 @@ async def _move(
                 kind=kind,
                 pause_timeout_s=config.pause_timeout_s,
                 pulled=pulled,
+                timings=times,
             )
-        fleet.record_weights(db, rep.id, version, weights_hash)
+        start = time.perf_counter()
+        fleet.record_weights(db, rep.id, version, weights_hash, state="serving")
+        recorded = True
+        times["registry"] += time.perf_counter() - start
         return int(pulled.get("bytes", 0)), pause_ms  # type: ignore[call-overload]
     finally:
-        fleet.set_state(db, rep.id, "serving")
+        if not recorded:
+            fleet.set_state(db, rep.id, "serving")
 
 
 async def rollout(
@@ -162,6 +183,7 @@ async def rollout(
 ) -> RolloutResult:
     """Roll ``to_version`` out over ``pool`` (see module docstring); never raises for a failed stage."""
     start = time.perf_counter()
+    overall: dict[str, float] = {"setup": 0.0, "gate": 0.0, "finish": 0.0}
     if fleet.recover_stale(db, config.stale_after_s, pool):
         # A crashed deployer left replicas on its version: bring them back to the target first.
         await fleet.check_fleet(db, fleet_config or FleetConfig(), pool)
@@ -199,6 +221,8 @@ async def rollout(
         s.flush()
         dep_id = row.id
     result = RolloutResult(dep_id, "running", "", 0.0)
+    result.phases["rollout"] = overall
+    overall["setup"] = time.perf_counter() - start
     updated: list[fleet.Replica] = []
     done = 0
     failure = ""
@@ -209,26 +233,35 @@ async def rollout(
 
         current = "prefetch"
 
-        # Pull to every replica of the stage before any of them pauses.
-        async def pull(rep: fleet.Replica) -> dict[str, Any]:
-            async with EngineClient(rep.url) as client:
-                return await client.prefetch(
-                    PrefetchRequest(to_version=to_version, from_version=rep.version, kind=kind)  # type: ignore[arg-type]
-                )
+        # Pull to every replica of the stage before any of them pauses (one connection per replica).
+        async def pull(rep: fleet.Replica, client: EngineClient) -> dict[str, Any]:
+            begin = time.perf_counter()
+            pulled = await client.prefetch(
+                PrefetchRequest(to_version=to_version, from_version=rep.version, kind=kind)  # type: ignore[arg-type]
+            )
+            result.phases[rep.id] = {"prefetch": time.perf_counter() - begin, "engine_prefetch": pulled.get("timings")}
+            return pulled
 
         _beat(db, dep_id)
-        try:
-            pulls = await asyncio.gather(*(pull(r) for r in batch))
-            for rep, pulled in zip(batch, pulls, strict=True):
-                current = rep.id
-                nbytes, pause_ms = await _move(db, rep, to_version, to_hash, kind, config, pulled)
-                updated.append(rep)
-                _beat(db, dep_id)
-                result.pause_ms[rep.id], result.pulled_bytes[rep.id] = pause_ms, nbytes
-        except EngineError as exc:
-            stage["outcome"], failure = "error", f"{name}: update of {current} failed: {exc.message}"
+        async with contextlib.AsyncExitStack() as stack:
+            clients = [await stack.enter_async_context(EngineClient(r.url)) for r in batch]
+            try:
+                pulls = await asyncio.gather(*(pull(r, c) for r, c in zip(batch, clients, strict=True)))
+                for rep, pulled, client in zip(batch, pulls, clients, strict=True):
+                    current = rep.id
+                    times = result.phases[rep.id]
+                    nbytes, pause_ms = await _move(
+                        db, rep, to_version, to_hash, kind, config, pulled, client=client, timings=times
+                    )
+                    updated.append(rep)
+                    _beat(db, dep_id)
+                    result.pause_ms[rep.id], result.pulled_bytes[rep.id] = pause_ms, nbytes
+            except EngineError as exc:
+                stage["outcome"], failure = "error", f"{name}: update of {current} failed: {exc.message}"
         if not failure and metrics is not None:
+            begin = time.perf_counter()
             ok, why, observed = await _wait_gate(metrics, to_version, old_version, config, lambda: _beat(db, dep_id))
+            overall["gate"] += time.perf_counter() - begin
             stage["metrics"] = observed
             if not ok:
                 stage["outcome"], failure = "failed", f"{name}: gate failed: {why}"
@@ -248,10 +281,14 @@ async def rollout(
                 failure += f"; rollback of {rep.id} failed ({exc.message}), it leaves rotation until reconciled"
         result.status, result.message = "rolled_back", failure
     else:
+        begin = time.perf_counter()
         fleet.set_target(db, to_version, to_hash, pool)
+        overall["finish"] += time.perf_counter() - begin
         result.status, result.message = "succeeded", f"{len(replicas)} replicas on {to_version}"
-    result.seconds = time.perf_counter() - start
+    begin = time.perf_counter()
     _record(db, dep_id, result)
+    overall["finish"] += time.perf_counter() - begin
+    result.seconds = time.perf_counter() - start
     log.info("deploy.finished", deployment=dep_id, status=result.status, seconds=round(result.seconds, 3))
     return result
 

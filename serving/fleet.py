@@ -103,11 +103,17 @@ def set_state(engine: Engine, replica_id: str, state: str) -> None:
         row.state = state
 
 
-def record_weights(engine: Engine, replica_id: str, version: str, weights_hash: str, health: str = "ok") -> None:
-    """Record what a replica serves after an update (the deployer calls this)."""
+def record_weights(
+    engine: Engine, replica_id: str, version: str, weights_hash: str, health: str = "ok", state: str | None = None
+) -> None:
+    """Record what a replica serves after an update (the deployer calls this), and its new ``state`` if given."""
+    if state is not None and state not in REPLICA_STATES:
+        raise ValueError(f"unknown replica state {state!r}; use one of {REPLICA_STATES}")
     with transaction(engine) as s:
         row = s.get(ReplicaRow, replica_id)
         if row is not None:
+            if state is not None:
+                row.state = state
             row.version, row.weights_hash, row.health, row.failures, row.last_check = (
                 version,
                 weights_hash,
@@ -264,24 +270,36 @@ async def update_replica(
     kind: str,
     pause_timeout_s: float,
     pulled: dict[str, Any] | None = None,
+    timings: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], float]:
     """Pull (unless ``pulled`` says it was), pause (requests held), apply with hash check, resume.
-    Returns (prefetch info, pause ms).
+    Returns (prefetch info, pause ms); ``timings`` (if given) receives the seconds of each call
+    (``prefetch``, ``drain``: pausing until running requests finish, ``apply``, ``resume``) and
+    the engine's own apply phases (``engine_apply``).
 
     The engine is resumed whatever happens once paused: a refused update leaves it serving the
     old weights.
     """
     import time
 
+    times = timings if timings is not None else {}
+    start = time.perf_counter()
     if pulled is None:
         pulled = await client.prefetch(PrefetchRequest(to_version=to_version, from_version=from_version, kind=kind))  # type: ignore[arg-type]
-    await client.pause(wait_for_inflight_requests=True, timeout_s=pause_timeout_s)
+        times["prefetch"] = time.perf_counter() - start
     start = time.perf_counter()
+    await client.pause(wait_for_inflight_requests=True, timeout_s=pause_timeout_s)
+    paused = time.perf_counter()
+    times["drain"] = paused - start
     try:
-        await client.apply(ApplyRequest(to_version=to_version, expected_hash=to_hash))
+        applied = await client.apply(ApplyRequest(to_version=to_version, expected_hash=to_hash))
+        times["engine_apply"] = applied.timings
     finally:
+        resuming = time.perf_counter()
+        times["apply"] = resuming - paused
         await client.resume()
-    return pulled, (time.perf_counter() - start) * 1000
+        times["resume"] = time.perf_counter() - resuming
+    return pulled, (time.perf_counter() - paused) * 1000
 
 
 async def reconcile(

@@ -25,6 +25,20 @@ from typing import Protocol
 import torch
 
 Tensors = dict[str, torch.Tensor]
+Changes = dict[str, tuple[torch.Tensor, torch.Tensor]]
+"""name -> (flat positions, int64; the values to write there)."""
+
+
+def scatter_into(tensor: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
+    """Write ``values`` at the flat ``positions`` of ``tensor`` in place (a contiguous tensor: only those elements)."""
+    values = values.to(tensor.dtype)
+    if tensor.is_contiguous():
+        tensor.view(-1).index_copy_(0, positions.to(tensor.device), values.to(tensor.device))
+    else:
+        flat = tensor.reshape(-1).clone()
+        flat.index_copy_(0, positions.to(flat.device), values.to(flat.device))
+        tensor.copy_(flat.view(tensor.shape))
+
 
 _EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
@@ -42,6 +56,10 @@ class LiveParams(Protocol):
 
     def write(self, new: Tensors) -> None:
         """Make each named tensor hold the new values (cast to the native dtype), atomically for readers."""
+        ...
+
+    def scatter(self, changes: Changes) -> None:
+        """Write only the given flat positions of each named tensor (values cast to the native dtype)."""
         ...
 
 
@@ -67,6 +85,12 @@ class DictParams:
                 current.copy_(value)
             else:
                 self.tensors[name] = value.clone()
+
+    def scatter(self, changes: Changes) -> None:
+        for name, (positions, values) in changes.items():
+            scatter_into(self.tensors[name], positions, values)
+        if self.on_write is not None and changes:
+            self.on_write({name: self.tensors[name] for name in changes})
 
 
 def checkpoint_names(checkpoint: str | Path) -> dict[str, tuple[int, ...]]:
@@ -142,3 +166,8 @@ class ModelParams:
         with self.lock, torch.no_grad():
             for name, value in new.items():
                 self.views[name].copy_(value)
+
+    def scatter(self, changes: Changes) -> None:
+        with self.lock, torch.no_grad():
+            for name, (positions, values) in changes.items():
+                scatter_into(self.views[name], positions, values)

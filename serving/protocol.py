@@ -121,6 +121,15 @@ class WeightInfo(BaseModel):
     """Version whose delta or snapshot is pulled and waiting to be applied, if any."""
 
 
+class ApplyResult(WeightInfo):
+    """``undertow_apply`` RPC result: what the replica serves now, and how the switch went."""
+
+    kind: str = ""
+    """``delta``, ``snapshot`` or ``undo``: what was applied."""
+    timings: dict[str, float] = Field(default_factory=dict)
+    """Seconds per phase of the apply (``check``, ``write``, ``readback``), measured in the engine."""
+
+
 class PrefetchRequest(BaseModel):
     """``undertow_prefetch`` kwargs: pull what moves ``from_version`` to ``to_version`` before pausing."""
 

@@ -3,141 +3,62 @@ verify, switch in place.
 
 One :class:`WeightUpdater` serves both backends. It holds the live tensors a replica serves
 (:mod:`serving.params`: the CPU engine's parameters, or the vLLM worker extension's host shadow),
-named as the store names them (the checkpoint's names), and a table of per-tensor checksums, so
-the whole-version hash (:func:`policy.weights.format.version_hash` over that table) is recomputed
-from the tensors an update touches only. An update is two calls:
+named as the store names them (the checkpoint's names), and the *verified state* of those
+tensors (:class:`serving.verified.VerifiedState`): their bits in the store's dtype and their
+per-tensor checksums, established once when the engine loads a version (every tensor hashed)
+and carried forward by every update (the checksums of what it wrote, which it verified). An
+update is two calls:
 
 1. ``prefetch`` (serving continues): plan the cheapest path in the store from the held version
-   (:func:`policy.weights.chain.plan`: a chain of deltas, or a full snapshot), and apply it with
-   :func:`policy.weights.apply.apply_delta_inplace` / ``apply_full_inplace`` onto a *staging*
-   target that reads the live tensors and keeps every write aside. This is where all reading,
-   decoding and checksum verification happens (the held bits against each delta's base
-   checksums, every payload, every decoded tensor). An artifact that fails is excluded and
-   another path is planned (``kind="delta"`` never falls back to a snapshot: it refuses).
-2. ``apply`` (engine paused): the version hash of the held table with the staged tensors'
-   checksums must equal the expected hash, else the update is refused and nothing was written;
-   then the staged tensors are written in place, read back and checksummed (touched tensors
-   only) as a last check. The pause covers only this copy.
+   (:func:`policy.weights.chain.plan`: a chain of deltas, or a full snapshot) and stage it.
+   A delta's base checksums are checked against the verified state (no re-hashing of the held
+   weights); each payload is checked against its checksum and decoded into the changed
+   positions and their new bits; the target tensor (held bits with the changes written) is
+   built and hashed against the target checksum. A snapshot is read tensor by tensor and each
+   tensor hashed. An artifact that fails is excluded and another path is planned
+   (``kind="delta"`` never falls back to a snapshot: it refuses).
+2. ``apply`` (engine paused): the version hash of the verified table with the staged
+   checksums must equal the expected hash, and the live tensors must not have been written
+   since the prefetch, else the update is refused and nothing was written; then a delta's
+   changed positions only (a snapshot: every tensor) are written in place. The pause covers
+   only these writes. When the engine's dtype cannot hold the stored dtype exactly (say fp16
+   serving bf16), what was written is read back and compared.
 
-After an update the elements it changed and their old values are kept as a sparse *undo*
-(computed while pulling), so the usual rollback (back to the version held before) is a local
-revert of the same elements, verified like any update, with no store read. Stored tensors are
-in the store's dtype (bf16 by default); an fp32 engine holds those values exactly and presents
-its tensors cast to the stored dtype when checksumming.
+The verified state is only trusted while nothing else writes the live tensors: it records
+each live tensor's torch version counter (shared by a parameter, its views and detached
+aliases, bumped by every in-place torch write) and re-hashes any tensor whose counter moved
+before it is used, so a foreign write shows up as a new hash (``hash_mismatch`` in the fleet)
+and a delta whose base it no longer is gets refused. Writes that bypass torch's counter
+(``.data``, a numpy view) are not seen; nothing in the project writes weights that way.
+
+After an update the positions it changed and their old bits are kept as a sparse *undo*, so
+the usual rollback (back to the version held before) is a local revert, verified like any
+update, with no store read. A snapshot update keeps none (computing it would compare every
+element): rolling it back goes through the store.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import structlog
 import torch
 
-from policy.weights import WeightsError, WeightStore, apply_delta_inplace, apply_full_inplace, plan
-from policy.weights.format import Manifest, TensorMeta, checksum, dtype_name, from_words, to_words, version_hash
+from policy.weights import DeltaReader, WeightsError, WeightStore, plan
+from policy.weights.changes import checksum_changed, materialize
+from policy.weights.format import Manifest, TensorMeta, checksum, from_words, version_hash
 from serving.params import DictParams, LiveParams, ModelParams, Tensors
-from serving.protocol import ApplyRequest, PrefetchRequest, WeightInfo
+from serving.protocol import ApplyRequest, ApplyResult, PrefetchRequest, WeightInfo
+from serving.staged import UNDO_MAX_FRACTION, Staged, Undo, Update
+from serving.verified import Timer, VerifiedState, exact_cast, tensor_meta
 
 if TYPE_CHECKING:
     from serving.runner import ModelRunner
 
+__all__ = ["Staged", "Undo", "Update", "WeightUpdater", "tensor_meta"]
+
 log = structlog.get_logger(__name__)
-
-UNDO_MAX_FRACTION = 0.5
-"""Keep an update's undo (changed elements and their old values) while it is at most this share of the model."""
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name)
-    assert isinstance(dtype, torch.dtype)
-    return dtype
-
-
-def tensor_meta(tensor: torch.Tensor) -> TensorMeta:
-    """The store's description of one tensor's bits (dtype, shape, XXH3-128 checksum)."""
-    return TensorMeta(dtype=dtype_name(tensor.dtype), shape=list(tensor.shape), checksum=checksum(to_words(tensor)))
-
-
-class StagingTarget:
-    """A :class:`policy.weights.ParamTarget` that reads the live tensors (cast to the stored dtype)
-    and keeps every write aside until :meth:`WeightUpdater.apply`."""
-
-    def __init__(self, live: LiveParams, dtypes: dict[str, str]) -> None:
-        self.live = live
-        self.dtypes = dtypes
-        self.staged: Tensors = {}
-        self.read: Tensors = {}
-        """Live tensors as read (stored dtype), kept to compute the undo without reading them again."""
-
-    def get(self, name: str) -> torch.Tensor | None:
-        if name in self.staged:
-            return self.staged[name]
-        if name not in self.dtypes:
-            return None
-        if name not in self.read:
-            self.read[name] = self.live.get(name).to(_torch_dtype(self.dtypes[name]))
-        return self.read[name]
-
-    def set(self, name: str, value: torch.Tensor) -> None:
-        if name not in self.dtypes:
-            raise WeightsError(f"the update adds tensor {name}, which the served model does not have")
-        self.staged[name] = value
-
-    def remove(self, name: str) -> None:
-        raise WeightsError(f"the update removes tensor {name}; a running engine cannot drop parameters")
-
-
-@dataclass
-class Staged:
-    """An update pulled, decoded and verified, waiting for ``apply``."""
-
-    to_version: str
-    base_version: str
-    kind: str
-    """``delta`` (a chain of deltas), ``snapshot`` or ``undo`` (revert of the last update)."""
-    tensors: Tensors
-    nbytes: int
-    steps: list[str] = field(default_factory=list)
-    base: Tensors = field(default_factory=dict)
-    """Live values of (some of) the touched tensors as read while pulling."""
-    undo: Undo | None = None
-    """How to revert this update (computed while pulling, kept after ``apply``)."""
-
-
-@dataclass
-class Undo:
-    """The elements an update replaced, sparse: applying them returns to ``version``."""
-
-    version: str
-    changes: dict[str, tuple[np.ndarray, np.ndarray]]
-    """name -> (flat indices, old words at them)."""
-
-    @property
-    def nbytes(self) -> int:
-        return sum(idx.nbytes + old.nbytes for idx, old in self.changes.values())
-
-    @classmethod
-    def between(cls, version: str, old: Tensors, new: Tensors) -> Undo:
-        """What turns ``new`` back into ``old`` (same names, dtypes and shapes)."""
-        changes = {}
-        for name, value in new.items():
-            before, after = to_words(old[name]), to_words(value)
-            idx = np.flatnonzero(before != after)
-            idx = idx.astype(np.int32) if before.size < 2**31 else idx
-            changes[name] = (idx, before[idx].copy())
-        return cls(version, changes)
-
-    def tensors(self, live: LiveParams, dtypes: dict[str, str]) -> Tensors:
-        """The reverted tensors, from the live ones."""
-        out = {}
-        for name, (idx, old) in self.changes.items():
-            words = to_words(live.get(name).to(_torch_dtype(dtypes[name]))).copy()
-            words[idx] = old
-            out[name] = from_words(words, dtypes[name], list(live.get(name).shape))
-        return out
 
 
 class WeightUpdater:
@@ -150,13 +71,20 @@ class WeightUpdater:
         self.staged: Staged | None = None
         self.undo: Undo | None = None
         manifest = self._stored(version)
-        if manifest is None:
-            if self.store is not None:
-                log.warning("weights.version_not_in_store", version=version)
-            self.table = {name: tensor_meta(live.get(name)) for name in live.names()}
-        else:
-            self.table = self._sync(manifest)
-        self.hash = version_hash(self.table)
+        if manifest is None and self.store is not None:
+            log.warning("weights.version_not_in_store", version=version)
+        self.state = VerifiedState(live, manifest, self.store)
+
+    @property
+    def table(self) -> dict[str, TensorMeta]:
+        """The verified per-tensor checksums of the held version."""
+        return self.state.table
+
+    @property
+    def hash(self) -> str:
+        """The whole-version hash of what the engine serves (re-hashes tensors written by anything else first)."""
+        self.state.refresh(blocking=False)
+        return self.state.hash
 
     @classmethod
     def for_runner(cls, runner: ModelRunner, *, version: str, store_url: str | None) -> WeightUpdater:
@@ -176,27 +104,6 @@ class WeightUpdater:
         except WeightsError:
             return None
 
-    def _sync(self, manifest: Manifest) -> dict[str, TensorMeta]:
-        """Checksum the live tensors as the store types them; load the stored bits where they differ."""
-        names = set(self.live.names())
-        if set(manifest.tensors) != names:
-            missing, extra = sorted(names - set(manifest.tensors))[:3], sorted(set(manifest.tensors) - names)[:3]
-            raise ValueError(
-                f"version {manifest.version} in the store names other tensors than the served model "
-                f"(model only: {missing}, store only: {extra}); put checkpoints with their checkpoint names"
-            )
-        table = {n: tensor_meta(self.live.get(n).to(_torch_dtype(m.dtype))) for n, m in manifest.tensors.items()}
-        differ = [n for n, m in manifest.tensors.items() if table[n] != m]
-        if differ:
-            assert self.store is not None
-            log.info("weights.load_stored", version=manifest.version, tensors=len(differ))
-            stored = dict(self.store.tensors(manifest.version))
-            self.live.write({n: stored[n] for n in differ})
-            table = {n: tensor_meta(self.live.get(n).to(_torch_dtype(m.dtype))) for n, m in manifest.tensors.items()}
-        if version_hash(table) != manifest.version_hash:
-            raise ValueError(f"the engine cannot hold version {manifest.version} exactly (its dtype loses bits)")
-        return table
-
     @staticmethod
     def methods() -> tuple[str, ...]:
         from serving.protocol import WEIGHT_RPC_METHODS
@@ -214,34 +121,76 @@ class WeightUpdater:
 
     def prefetch(self, req: PrefetchRequest) -> dict[str, Any]:
         """Pull, decode and verify the update to ``req.to_version`` (serving continues)."""
-        start = time.perf_counter()
+        timer = Timer()
         self.staged = None
+        self.state.refresh()
         if req.to_version == self.version:
-            return {"kind": "none", "bytes": 0, "seconds": 0.0}
-        dtypes = {n: m.dtype for n, m in self.table.items()}
+            return {"kind": "none", "bytes": 0, "seconds": 0.0, "timings": {}}
         if self.undo is not None and self.undo.version == req.to_version and req.kind != "snapshot":
-            staged = Staged(req.to_version, self.version, "undo", self.undo.tensors(self.live, dtypes), 0)
+            staged = self._revert(self.undo, timer)
         else:
-            staged = self._pull(self._require_store(), req)
-        current = {
-            n: staged.base[n] if n in staged.base else self.live.get(n).to(_torch_dtype(dtypes[n]))
-            for n in staged.tensors
-        }
-        staged.base = {}
-        undo = Undo.between(self.version, current, staged.tensors)
-        total = sum(m.nbytes() for m in self.table.values())
-        staged.undo = undo if undo.nbytes <= UNDO_MAX_FRACTION * total else None
+            staged = self._pull(self._require_store(), req, timer)
+        if staged.kind != "snapshot":
+            with timer("undo"):
+                staged.undo = self._undo_of(staged)
+        with timer("prepare"):
+            self._prepare(staged)
         self.staged = staged
         return {
             "kind": staged.kind,
             "bytes": staged.nbytes,
-            "tensors": len(staged.tensors),
+            "tensors": len(staged.updates),
+            "changed": sum(
+                u.meta.numel() if u.positions is None else int(u.positions.size) for u in staged.updates.values()
+            ),
             "steps": staged.steps,
-            "seconds": time.perf_counter() - start,
+            "seconds": timer.total(),
+            "timings": timer.phases,
         }
 
-    def _pull(self, store: WeightStore, req: PrefetchRequest) -> Staged:
-        manifests = store.manifests()
+    def _prepare(self, staged: Staged) -> None:
+        """Build the sparse writes' values in the live dtype before the pause: one cast for all tensors."""
+        groups: dict[tuple[str, torch.dtype], list[Update]] = {}
+        for name, update in staged.updates.items():
+            if update.sparse():
+                groups.setdefault((update.meta.dtype, self.live.get(name).dtype), []).append(update)
+        for (stored, live_dtype), members in groups.items():
+            words = np.concatenate([u.new_values() for u in members])
+            values = from_words(words, stored, [words.size]).to(live_dtype)
+            sizes = [int(u.positions.size) for u in members]  # type: ignore[union-attr]
+            for update, part in zip(members, torch.split(values, sizes), strict=True):
+                assert update.positions is not None
+                update.prepared = (torch.from_numpy(update.positions.astype(np.int64, copy=False)), part)
+
+    def _revert(self, undo: Undo, timer: Timer) -> Staged:
+        """Stage the undo of the last update: the held bits with the old words written back, verified."""
+        updates = {}
+        for name, (positions, old) in undo.changes.items():
+            with timer("verify_target"):
+                if checksum_changed(self.state.held[name], positions, old) != undo.table[name].checksum:
+                    raise ValueError(
+                        f"the undo of tensor {name} does not restore {undo.version}; pull it from the store"
+                    )
+            updates[name] = Update(undo.table[name], None, positions, old)
+        return Staged(undo.version, self.version, "undo", updates, 0, [f"undo:{undo.version}"])
+
+    def _undo_of(self, staged: Staged) -> Undo | None:
+        """The positions the update changes and the held bits there (None when too large to be worth keeping)."""
+        changes, old_table = {}, {}
+        for name, update in staged.updates.items():
+            held = self.state.held[name]
+            if update.positions is None:
+                assert update.words is not None
+                update.positions = np.flatnonzero(held != update.words)
+            old = update.old if update.old is not None else held.take(update.positions)
+            changes[name] = (update.positions, old)
+            old_table[name] = self.state.table[name]
+        undo = Undo(staged.base_version, old_table, changes)
+        return undo if undo.nbytes <= UNDO_MAX_FRACTION * self.state.nbytes else None
+
+    def _pull(self, store: WeightStore, req: PrefetchRequest, timer: Timer) -> Staged:
+        with timer("plan"):
+            manifests = store.heads()
         known = {m.version for m in manifests}
         held = self.version if self.version in known else None
         exclude: set[tuple[str, str]] = set()
@@ -253,48 +202,123 @@ class WeightUpdater:
         failures: list[str] = []
         for _attempt in range(8):
             try:
-                steps = plan(manifests, req.to_version, held, frozenset(exclude))
+                with timer("plan"):
+                    steps = plan(manifests, req.to_version, held, frozenset(exclude))
             except WeightsError as exc:
                 raise ValueError(
                     f"cannot pull {req.to_version!r} (kind={req.kind}) from {self.version!r}: {exc}"
                     + (f"; refused artifacts: {failures}" if failures else "")
                 ) from exc
-            dtypes = {n: m.dtype for n, m in self.table.items()}
-            staging = StagingTarget(self.live, dtypes)
+            updates: dict[str, Update] = {}
             step_held, nbytes = held, 0
             try:
                 for step in steps:
+                    manifest = store.manifest(step.version)
                     if step.kind == "full":
-                        apply_full_inplace(staging, store.open_full(step.version), verify=False)
+                        self._stage_full(store, manifest, updates, timer)
                     else:
-                        apply_delta_inplace(
-                            staging, store.open_delta(step.version), verify=False, held_version=step_held
-                        )
+                        self._stage_delta(store, manifest, step_held, updates, timer)
                     step_held, nbytes = step.version, nbytes + step.bytes
-                    staging.dtypes.update({n: m.dtype for n, m in store.manifest(step.version).tensors.items()})
             except (WeightsError, OSError) as exc:
                 exclude.add((step.kind, step.version))
                 failures.append(f"{step.kind} {step.version}: {exc}")
                 log.warning("weights.artifact_refused", kind=step.kind, version=step.version, error=str(exc))
                 continue
             kind = "snapshot" if any(s.kind == "full" for s in steps) else "delta"
-            return Staged(
-                req.to_version,
-                self.version,
-                kind,
-                staging.staged,
-                nbytes,
-                [f"{s.kind}:{s.version}" for s in steps],
-                staging.read,
-            )
+            steps_text = [f"{s.kind}:{s.version}" for s in steps]
+            return Staged(req.to_version, self.version, kind, updates, nbytes, steps_text)
         raise ValueError(f"cannot pull {req.to_version!r}: every path failed: {failures}")
+
+    def _check_names(self, manifest: Manifest, removed: list[str] | None = None) -> None:
+        extra = sorted(set(manifest.tensors) - set(self.state.table))
+        if extra:
+            raise WeightsError(f"the update adds tensor {extra[0]}, which the served model does not have")
+        reshaped = [n for n, m in manifest.tensors.items() if m.shape != self.state.table[n].shape]
+        if reshaped:
+            raise WeightsError(f"the update changes the shape of tensor {reshaped[0]}; a running engine cannot")
+        gone = sorted(set(removed or []) | (set(self.state.table) - set(manifest.tensors)))
+        if gone:
+            raise WeightsError(f"the update removes tensor {gone[0]}; a running engine cannot drop parameters")
+
+    def _stage_full(self, store: WeightStore, manifest: Manifest, updates: dict[str, Update], timer: Timer) -> None:
+        """Read and verify every tensor of a snapshot (each hashed against its manifest checksum)."""
+        self._check_names(manifest)
+        updates.clear()
+        with store.open_full(manifest.version) as reader:
+            for name, meta in manifest.tensors.items():
+                with timer("read_verify"):
+                    updates[name] = Update(meta, reader.words(name), None)
+
+    def _stage_delta(
+        self, store: WeightStore, manifest: Manifest, held: str | None, updates: dict[str, Update], timer: Timer
+    ) -> None:
+        """Decode one delta onto the held bits (or the previous step's staged ones) and verify each target."""
+        artifact = manifest.delta
+        if artifact is None or held != artifact.base:
+            raise WeightsError(f"delta of {manifest.version} does not apply to {held}; plan another path")
+        self._check_names(manifest, artifact.removed)
+        reader = store.open_delta(manifest.version)
+        try:
+            with timer("read"):
+                reader.load()
+            self._decode_delta(manifest, reader, updates, timer)
+        finally:
+            reader.close()
+
+    def _decode_delta(self, manifest: Manifest, reader: DeltaReader, updates: dict[str, Update], timer: Timer) -> None:
+        artifact = manifest.delta
+        assert artifact is not None
+        for name, meta in manifest.tensors.items():
+            entry = artifact.tensors.get(name)
+            if entry is None:
+                raise WeightsError(f"delta {manifest.version} has no entry for tensor {name}; the delta is malformed")
+            prev = updates.get(name)
+            base_meta = prev.meta if prev is not None else self.state.table[name]
+            if (
+                entry.base_checksum is None
+                or entry.base_checksum != base_meta.checksum
+                or base_meta.dtype != meta.dtype
+            ):
+                raise WeightsError(
+                    f"tensor {name} does not match version {artifact.base}: the receiver holds another version; "
+                    "apply a full snapshot or the right chain"
+                )
+            held_words = self.state.held[name]
+            base = held_words if prev is None else prev.target(held_words)
+            with timer("decode"):
+                changes = reader.changes(name, base)
+            if changes.positions is not None and not changes.positions.size:
+                if meta.checksum != base_meta.checksum:
+                    raise WeightsError(f"delta {manifest.version} marks tensor {name} unchanged, its checksum differs")
+                continue
+            if prev is None and changes.positions is not None:
+                # Sparse onto the held bits: hash the target chunk by chunk, keep only the changes.
+                with timer("verify_target"):
+                    got = checksum_changed(base, changes.positions, changes.words)
+                update = Update(meta, None, changes.positions, changes.words, changes.old)
+            else:
+                with timer("materialize"):
+                    target = materialize(base, changes)
+                with timer("verify_target"):
+                    got = checksum(target)
+                positions = changes.positions
+                if prev is not None:
+                    both = positions is not None and prev.positions is not None
+                    positions = np.union1d(prev.positions, positions) if both else None  # type: ignore[arg-type]
+                update = Update(meta, target, positions)
+            if got != meta.checksum:
+                raise WeightsError(
+                    f"decoded tensor {name} does not match its checksum: the delta of {manifest.version} is corrupt"
+                )
+            updates[name] = update
 
     def discard(self) -> None:
         """Forget a staged update."""
         self.staged = None
 
-    def apply(self, req: ApplyRequest) -> WeightInfo:
+    def apply(self, req: ApplyRequest) -> ApplyResult:
         """Switch to the staged update if it yields ``req.expected_hash``; else raise and keep serving as before."""
+        timer = Timer()
         staged, self.staged = self.staged, None
         if staged is None or staged.to_version != req.to_version:
             raise ValueError(f"nothing staged for version {req.to_version!r}; call undertow_prefetch first")
@@ -302,25 +326,72 @@ class WeightUpdater:
             raise ValueError(
                 f"the staged update was pulled against {staged.base_version!r}, the engine now holds {self.version!r}"
             )
-        table = dict(self.table)
-        table.update({name: tensor_meta(value) for name, value in staged.tensors.items()})
-        got = version_hash(table)
+        with self.state.lock:
+            return self._switch(staged, req, timer)
+
+    def _switch(self, staged: Staged, req: ApplyRequest, timer: Timer) -> ApplyResult:
+        """Check, write and commit (the verified state's lock held: no refresh sees a half-written update)."""
+        with timer("check"):
+            written = self.state.refresh()
+            if written:
+                raise ValueError(
+                    f"tensors {written[:3]} were written since the update was pulled; pull it again "
+                    f"(still serving {self.version!r}, hash {self.state.hash[:16]}...)"
+                )
+            table = dict(self.state.table)
+            table.update({name: update.meta for name, update in staged.updates.items()})
+            got = version_hash(table)
         if got != req.expected_hash:
             log.warning("weights.hash_mismatch", to_version=req.to_version, expected=req.expected_hash, got=got)
             raise ValueError(
                 f"the update to {req.to_version!r} yields hash {got[:16]}..., expected {req.expected_hash[:16]}...; "
                 f"refused, still serving {self.version!r}"
             )
-        self.live.write(staged.tensors)
-        readback = {n: tensor_meta(self.live.get(n).to(_torch_dtype(table[n].dtype))) for n in staged.tensors}
-        bad = [n for n, meta in readback.items() if meta != table[n]]
-        self.table.update(readback)
-        self.hash, self.version, self.undo = version_hash(self.table), req.to_version, staged.undo
+        sparse = {n: u for n, u in staged.updates.items() if u.sparse()}
+        dense = {n: u for n, u in staged.updates.items() if n not in sparse}
+        with timer("write"):
+            self.live.scatter({n: u.prepared or _scatter_args(u) for n, u in sparse.items()})
+            self.live.write(
+                {n: from_words(u.target(self.state.held[n]), u.meta.dtype, u.meta.shape) for n, u in dense.items()}
+            )
+        with timer("readback"):
+            bad = [n for n, u in staged.updates.items() if not self._holds(n, u, n in sparse)]
+        with timer("commit"):
+            self.state.commit(
+                {
+                    n: (u.meta, None, u.positions, u.new_values())
+                    if n in sparse
+                    else (u.meta, u.target(self.state.held[n]), None, None)
+                    for n, u in staged.updates.items()
+                }
+            )
+        self.version, self.undo = req.to_version, staged.undo
         if bad:
+            self.state.forget(bad)
             log.error("weights.readback_mismatch", version=req.to_version, tensors=bad[:5])
             raise ValueError(
                 f"tensors {bad[:3]} do not hold the bits written; this replica now reports hash {self.hash[:16]}... "
                 "and leaves rotation until reconciled with a snapshot"
             )
-        log.info("weights.switched", version=self.version, kind=staged.kind, tensors=len(staged.tensors))
-        return self.info()
+        log.info("weights.switched", version=self.version, kind=staged.kind, tensors=len(staged.updates))
+        return ApplyResult(**self.info().model_dump(), kind=staged.kind, timings=timer.phases)
+
+    def _holds(self, name: str, update: Update, sparse: bool) -> bool:
+        """Whether the live tensor holds what was written (read back only when its dtype may lose bits)."""
+        live = self.live.get(name)
+        if exact_cast(update.meta.dtype, live.dtype):
+            return True
+        stored = getattr(torch, update.meta.dtype)
+        if sparse:
+            assert update.positions is not None
+            got = live.reshape(-1)[torch.from_numpy(update.positions)].to(stored)
+            want = from_words(update.new_values(), update.meta.dtype, [-1])
+            return bool(torch.equal(got, want))
+        return tensor_meta(live.to(stored)).checksum == update.meta.checksum
+
+
+def _scatter_args(update: Update) -> tuple[torch.Tensor, torch.Tensor]:
+    assert update.positions is not None
+    positions = update.positions
+    values = from_words(update.new_values(), update.meta.dtype, [positions.size])
+    return torch.from_numpy(positions.astype(np.int64, copy=False)), values

@@ -194,15 +194,16 @@ def apply_full_inplace(
     manifest = snapshot.manifest
     if version_hash(manifest.tensors) != manifest.version_hash:
         raise WeightsError(f"manifest of {manifest.version} fails its whole-version hash")
-    if verify:
-        for name in manifest.tensors:
-            snapshot.words(name)
     report = ApplyReport(version=manifest.version, version_hash=manifest.version_hash)
-    for name, meta in manifest.tensors.items():
-        words = snapshot.words(name)
-        report.bytes_read += words.nbytes
-        live.set(name, from_words(words, meta.dtype, meta.shape))
-        report.tensors += 1
+    with snapshot:
+        if verify:
+            for name in manifest.tensors:
+                snapshot.words(name)
+        for name, meta in manifest.tensors.items():
+            words = snapshot.words(name)
+            report.bytes_read += words.nbytes
+            live.set(name, from_words(words, meta.dtype, meta.shape))
+            report.tensors += 1
     keys = list(getattr(live, "state", {}))
     for name in keys:
         if name not in manifest.tensors:

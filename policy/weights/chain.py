@@ -26,7 +26,7 @@ import structlog
 import torch
 
 from policy.weights.apply import ParamTarget, apply_delta_inplace, apply_full_inplace
-from policy.weights.format import Manifest, WeightsError
+from policy.weights.format import Manifest, VersionHead, WeightsError
 from policy.weights.store import WeightStore
 
 log = structlog.get_logger(__name__)
@@ -42,7 +42,7 @@ class Step:
 
 
 def plan(
-    manifests: Iterable[Manifest],
+    manifests: Iterable[Manifest] | Iterable[VersionHead],
     target: str,
     held: str | None = None,
     exclude: frozenset[tuple[str, str]] = frozenset(),
@@ -57,7 +57,7 @@ def plan(
         raise WeightsError(f"version {target} is not in the store")
     if held == target:
         return []
-    children: dict[str, list[Manifest]] = {}
+    children: dict[str, list[Manifest | VersionHead]] = {}
     for m in by_version.values():
         if m.delta is not None and ("delta", m.version) not in exclude:
             children.setdefault(m.delta.base, []).append(m)
@@ -117,7 +117,7 @@ def update(
     exclude: set[tuple[str, str]] = set()
     report = UpdateReport(version=held or "")
     for _attempt in range(max_attempts):
-        steps = plan(store.manifests(), version, held, frozenset(exclude))
+        steps = plan(store.heads(), version, held, frozenset(exclude))
         try:
             for step in steps:
                 if step.kind == "full":

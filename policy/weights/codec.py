@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 
+from policy.weights.changes import Changes, materialize
 from policy.weights.format import WeightsError, checksum
 
 MAGIC = b"UWD2"
@@ -286,13 +287,16 @@ class _Reader:
             out |= np.frombuffer(self.section(count), dtype=np.uint8)
         return out
 
-    def sparse(self, out: np.ndarray, dtype: np.dtype, index: np.ndarray | None = None) -> None:
-        """XOR one set of sparse changes into ``out``; positions index ``index`` (then ``out``) if given."""
-        limit = out.size if index is None else index.size
+    def changes(self, dtype: np.dtype, limit: int) -> tuple[np.ndarray, np.ndarray]:
+        """One set of sparse changes: (positions in ``[0, limit)``, XOR words there)."""
         changes, escapes = self.counts(limit)
         positions = _positions(self.section(changes), self.section(4 * escapes), escapes, limit)
-        values = self.words(dtype, changes)
-        if changes:
+        return positions, self.words(dtype, changes)
+
+    def sparse(self, out: np.ndarray, dtype: np.dtype, index: np.ndarray | None = None) -> None:
+        """XOR one set of sparse changes into ``out``; positions index ``index`` (then ``out``) if given."""
+        positions, values = self.changes(dtype, out.size if index is None else index.size)
+        if positions.size:
             where = positions if index is None else index[positions]
             values ^= out.take(where)  # take + assign beats the read-modify-write of ``out[where] ^= values``
             out[where] = values
@@ -308,6 +312,8 @@ def _positions(steps: bytes, escapes: bytes, count: int, limit: int) -> np.ndarr
         where = np.flatnonzero(small == 0)
         if where.size != count or float(big.sum(dtype=np.float64)) > limit:
             raise WeightsError("delta payload step escapes do not match their markers or overrun the tensor")
+        if big.size and int(big.min()) <= 255:
+            raise WeightsError("delta payload escapes a step that fits in one byte; positions would repeat")
         full = small.astype(np.int64)
         full[where] = big
         positions = np.cumsum(full)
@@ -317,13 +323,11 @@ def _positions(steps: bytes, escapes: bytes, count: int, limit: int) -> np.ndarr
     return positions
 
 
-def decode_tensor(
-    payload: bytes | memoryview, base: np.ndarray | None, dtype: np.dtype, count: int, expected: str
-) -> np.ndarray:
-    """Decode one tensor's words; raises :class:`WeightsError` unless they hash to ``expected``.
+def decode_changes(payload: bytes | memoryview, base: np.ndarray | None, dtype: np.dtype, count: int) -> Changes:
+    """Decode one tensor's payload against ``base`` (never modified) into :class:`Changes`.
 
-    ``base`` is the receiver's current words for this tensor (None for a new tensor); it is
-    never modified. ``dtype``/``count`` come from the target's manifest entry.
+    Checks the header, every count and frame size, and that the payload is consumed exactly;
+    arbitrary bytes raise :class:`WeightsError`. The target checksum is left to the caller.
     """
     if count < 0 or count > _MAX_ELEMENTS:
         raise WeightsError(f"tensor of {count} elements is out of range")
@@ -339,22 +343,37 @@ def decode_tensor(
     encoding = ENCODINGS[code]
     if (encoding == "classed") != (low_mode != LOW_NONE) or low_mode > LOW_SPARSE:
         raise WeightsError(f"delta payload has low-class mode {low_mode} with encoding {encoding}")
+    positions: np.ndarray | None = None
+    old: np.ndarray | None = None
     if encoding == "raw":
         out = reader.words(dtype, count)
     elif base is None or base.size != count or base.dtype != dtype:
         raise WeightsError("delta payload needs a base tensor of the same dtype and size; the receiver has none")
     elif encoding == "same":
-        out = base.copy()
+        positions, out = np.empty(0, dtype=np.int64), np.empty(0, dtype=dtype)
     elif encoding == "planes":
         out = reader.words(dtype, count)
         out ^= base
     elif encoding == "sparse":
-        out = base.copy()
-        reader.sparse(out, dtype)
+        positions, out = reader.changes(dtype, count)
+        old = base.take(positions)
+        out ^= old
     else:
         out = _decode_classed(reader, base, low_mode, dtype)
     if reader.pos != len(reader.data):
         raise WeightsError(f"delta payload has {len(reader.data) - reader.pos} trailing bytes")
+    return Changes(encoding, positions, out, old)
+
+
+def decode_tensor(
+    payload: bytes | memoryview, base: np.ndarray | None, dtype: np.dtype, count: int, expected: str
+) -> np.ndarray:
+    """Decode one tensor's words; raises :class:`WeightsError` unless they hash to ``expected``.
+
+    ``base`` is the receiver's current words for this tensor (None for a new tensor); it is
+    never modified. ``dtype``/``count`` come from the target's manifest entry.
+    """
+    out = materialize(base, decode_changes(payload, base, dtype, count))
     if checksum(out) != expected:
         raise WeightsError("decoded tensor does not match its checksum: the delta or the base is wrong")
     return out

@@ -16,6 +16,7 @@ import hashlib
 import json
 import math
 import re
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -210,6 +211,43 @@ class Manifest(BaseModel):
     def total_bytes(self) -> int:
         """Size of the version's raw tensors."""
         return sum(t.nbytes() for t in self.tensors.values())
+
+
+@dataclass(frozen=True)
+class ArtifactHead:
+    """An artifact's size (and, for a delta, its base version), as planning needs it."""
+
+    bytes: int
+    base: str = ""
+
+
+@dataclass(frozen=True)
+class VersionHead:
+    """What :func:`policy.weights.chain.plan` needs of a version, read from its manifest without
+    validating the tensor table (a planned step's full manifest is validated before it is used)."""
+
+    version: str
+    seq: int
+    full: ArtifactHead | None
+    delta: ArtifactHead | None
+
+
+def parse_head(raw: bytes, version: str) -> VersionHead:
+    """The planning fields of a manifest's JSON; raises :class:`WeightsError` when they are missing."""
+    try:
+        data = json.loads(raw)
+        full, delta = data.get("full"), data.get("delta")
+        head = VersionHead(
+            version=str(data["version"]),
+            seq=int(data["seq"]),
+            full=ArtifactHead(int(full["bytes"])) if full else None,
+            delta=ArtifactHead(int(delta["bytes"]), str(delta["base"])) if delta else None,
+        )
+    except (ValueError, KeyError, TypeError) as err:
+        raise WeightsError(f"manifest of version {version} is not valid: {err}") from err
+    if head.version != version:
+        raise WeightsError(f"manifest in directory {version} names version {head.version}; the store is tampered")
+    return head
 
 
 def version_hash(tensors: dict[str, TensorMeta]) -> str:

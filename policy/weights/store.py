@@ -28,7 +28,7 @@ import structlog
 import torch
 
 from policy.config import WeightsConfig
-from policy.weights.codec import decode_tensor, encode_tensor
+from policy.weights.codec import encode_tensor
 from policy.weights.format import (
     DELTA_FILE,
     FULL_FILE,
@@ -38,101 +38,25 @@ from policy.weights.format import (
     FullArtifact,
     Manifest,
     TensorMeta,
+    VersionHead,
     WeightsError,
     check_version_id,
     checksum,
     dtype_name,
     from_words,
     magnitude_mask,
+    parse_head,
     parse_manifest,
     to_words,
     version_hash,
-    word_dtype,
 )
-from policy.weights.tensors import TensorSource, cast_for_serving, read_header, source_from, write_safetensors
+from policy.weights.readers import DeltaReader, FullReader
+from policy.weights.tensors import TensorSource, cast_for_serving, source_from, write_safetensors
 
 log = structlog.get_logger(__name__)
 
-
-class DeltaReader:
-    """One version's delta: its manifest and checksum-verified per-tensor payloads (range reads)."""
-
-    def __init__(self, store: WeightStore, manifest: Manifest):
-        if manifest.delta is None:
-            raise WeightsError(f"version {manifest.version} has no delta; fetch its full snapshot or another path")
-        self.store = store
-        self.manifest = manifest
-        self.delta: DeltaArtifact = manifest.delta
-        self.path = store.path(manifest.version, self.delta.file)
-        if not store.fs.exists(self.path):
-            raise WeightsError(f"delta file of version {manifest.version} is missing; use another path")
-        if store.fs.size(self.path) != self.delta.bytes:
-            raise WeightsError(f"delta of version {manifest.version} is truncated or overwritten: size differs")
-        self._handle: Any = None
-
-    def payload(self, name: str) -> bytes:
-        """The encoded payload of ``name``, verified against its checksum (one open file for all tensors)."""
-        entry = self.delta.tensors[name]
-        if self._handle is None:
-            self._handle = self.store.fs.open(self.path, "rb")
-        self._handle.seek(entry.offset)
-        data = self._handle.read(entry.length)
-        if len(data) != entry.length:
-            raise WeightsError(
-                f"delta of {self.manifest.version} is truncated at tensor {name}; refetch or use a snapshot"
-            )
-        if checksum(data) != entry.payload_checksum:
-            raise WeightsError(
-                f"delta of {self.manifest.version} is corrupt at tensor {name}; refetch or use a snapshot"
-            )
-        return data
-
-    def decode(self, name: str, base: np.ndarray | None) -> np.ndarray:
-        """Target words of ``name`` from the base's words (verified against the target checksum)."""
-        meta = self.manifest.tensors[name]
-        return decode_tensor(self.payload(name), base, word_dtype(meta.dtype), meta.numel(), meta.checksum)
-
-    def close(self) -> None:
-        """Close the delta file (a later read reopens it)."""
-        if self._handle is not None:
-            self._handle.close()
-            self._handle = None
-
-    def __enter__(self) -> DeltaReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class FullReader:
-    """One version's full snapshot, tensor by tensor, each verified against the manifest."""
-
-    def __init__(self, store: WeightStore, manifest: Manifest):
-        if manifest.full is None:
-            raise WeightsError(f"version {manifest.version} has no full snapshot")
-        self.store = store
-        self.manifest = manifest
-        self.path = store.path(manifest.version, manifest.full.file)
-        self.index = read_header(store.fs, self.path)
-
-    def words(self, name: str) -> np.ndarray:
-        """The verified words of ``name``."""
-        meta = self.manifest.tensors[name]
-        if name not in self.index:
-            raise WeightsError(f"snapshot of {self.manifest.version} lacks tensor {name}; the store is corrupt")
-        dtype, shape, start, end = self.index[name]
-        if dtype != meta.dtype or shape != meta.shape:
-            raise WeightsError(f"snapshot of {self.manifest.version} disagrees with its manifest on tensor {name}")
-        with self.store.fs.open(self.path, "rb") as handle:
-            handle.seek(start)
-            data = handle.read(end - start)
-        words = np.frombuffer(data, dtype=word_dtype(dtype)).copy() if len(data) == end - start else None
-        if words is None or checksum(words) != meta.checksum:
-            raise WeightsError(
-                f"snapshot of {self.manifest.version} is corrupt at tensor {name}; restore or refetch it"
-            )
-        return words
+_PARSED_MAX = 256
+"""Parsed manifests a store object keeps (cleared beyond)."""
 
 
 class WeightStore:
@@ -142,6 +66,10 @@ class WeightStore:
         self.config = config or WeightsConfig()
         self.url = str(url)
         self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        self._parsed: dict[tuple[str, str], Manifest] = {}
+        """Validated manifests by (version, checksum of their bytes): a manifest is read on every
+        call, parsed (and its whole-version hash checked) only when its bytes are new. Shared: do not modify."""
+        self._heads: dict[tuple[str, str], VersionHead] = {}
         self.fs.makedirs(f"{self.root}/versions", exist_ok=True)
 
     def path(self, version: str, file: str = "") -> str:
@@ -157,7 +85,37 @@ class WeightStore:
         if not self.fs.exists(path):
             raise WeightsError(f"version {version} is not in the store (or its write never completed)")
         with self.fs.open(path, "rb") as handle:
-            return parse_manifest(handle.read(), version)
+            raw = handle.read()
+        key = (version, checksum(raw))
+        manifest = self._parsed.get(key)
+        if manifest is None:
+            if len(self._parsed) >= _PARSED_MAX:
+                self._parsed.clear()
+            manifest = self._parsed[key] = parse_manifest(raw, version)
+        return manifest
+
+    def heads(self) -> list[VersionHead]:
+        """What planning needs of every complete version, oldest first (cheap: no tensor table is validated)."""
+        out = []
+        for version in self.version_ids():
+            path = self.path(version, MANIFEST)
+            if not self.fs.exists(path):
+                continue
+            with self.fs.open(path, "rb") as handle:
+                raw = handle.read()
+            key = (version, checksum(raw))
+            head = self._heads.get(key)
+            if head is None:
+                try:
+                    head = parse_head(raw, version)
+                except WeightsError as err:
+                    log.warning("weights.manifest_unreadable", version=version, error=str(err))
+                    continue
+                if len(self._heads) >= _PARSED_MAX:
+                    self._heads.clear()
+                self._heads[key] = head
+            out.append(head)
+        return sorted(out, key=lambda h: h.seq)
 
     def version_ids(self) -> list[str]:
         """Every version directory, complete or not."""
@@ -204,7 +162,10 @@ class WeightStore:
         """One tensor of ``version`` as verified words, rebuilt along its chain."""
         chain = chain or self.chain(version)
         start = max((i for i, m in enumerate(chain) if m.full and name in m.tensors), default=0)
-        words = FullReader(self, chain[start]).words(name) if name in chain[start].tensors else None
+        words = None
+        if name in chain[start].tensors:
+            with FullReader(self, chain[start]) as reader:
+                words = reader.words(name)
         for previous, manifest in zip(chain[start:], chain[start + 1 :], strict=False):
             if name not in manifest.tensors:
                 words = None

@@ -95,3 +95,78 @@ def test_unknown_versions_wrong_names_and_stale_staging_are_refused(engine_model
     other.put({k: v.to(torch.bfloat16) for k, v in engine_model.state_dict().items()}, version="v0")
     with pytest.raises(ValueError, match="checkpoint names"):
         WeightUpdater(params, version="v0", store_url=str(tmp_path / "fused"))
+
+
+def test_verified_state_is_carried_forward_and_foreign_writes_are_caught(engine_model, versions, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import serving.verified
+
+    params = ModelParams(engine_model, versions.checkpoint, threading.Lock())
+    updater = WeightUpdater(params, version="v0", store_url=str(versions.store))
+    # A delta is checked against the checksums verified at load: the held weights are not hashed again.
+    hashed: list[str] = []
+    real_derive = serving.verified.VerifiedState._derive
+    monkeypatch.setattr(
+        serving.verified.VerifiedState, "_derive", lambda self, n, d: (hashed.append(n), real_derive(self, n, d))
+    )
+    pulled = updater.prefetch(PrefetchRequest(to_version="v1", kind="delta"))
+    assert (
+        hashed == []
+        and pulled["kind"] == "delta"
+        and 0 < pulled["changed"] < sum(m.numel() for m in updater.table.values())
+    )
+    assert {"decode", "verify_target"} <= set(pulled["timings"])
+    # Weights written by another path between prefetch and apply: the apply is refused, nothing written.
+    q = engine_model.model.layers[0].self_attn.q_proj.weight
+    with torch.no_grad():
+        q.mul_(2.0)
+    with pytest.raises(ValueError, match="written since the update was pulled"):
+        updater.apply(ApplyRequest(to_version="v1", expected_hash=versions.hashes["v1"]))
+    assert hashed == ["model.layers.0.self_attn.q_proj.weight"]
+    assert updater.version == "v0" and updater.hash != versions.hashes["v0"]  # the hash says what it really holds
+    # The refreshed state no longer matches v1's base: the delta is refused, the snapshot repairs it.
+    with pytest.raises(ValueError, match="does not match version v0"):
+        updater.prefetch(PrefetchRequest(to_version="v1", kind="delta"))
+    assert updater.prefetch(PrefetchRequest(to_version="v1", kind="snapshot"))["kind"] == "snapshot"
+    assert (
+        updater.apply(ApplyRequest(to_version="v1", expected_hash=versions.hashes["v1"])).hash == versions.hashes["v1"]
+    )
+    assert torch.equal(q, versions.model_tensors["v1"]["model.layers.0.self_attn.q_proj.weight"].float())
+    # The state carried forward is what a fresh load verifies.
+    assert WeightUpdater(params, version="v1", store_url=str(versions.store)).table == updater.table
+
+
+def test_delta_whose_base_differs_from_the_verified_state_is_refused(versions) -> None:  # type: ignore[no-untyped-def]
+    from policy.weights import WeightStore
+
+    # A replica that claims v1 but holds v0's bits: v2's delta (base v1) must not apply.
+    held = {k: v.clone() for k, v in versions.model_tensors["v0"].items()}
+    updater = WeightUpdater.for_dict(held, version="v1", store_url=None)
+    updater.store = WeightStore(versions.store)
+    with pytest.raises(ValueError, match="does not match version v1"):
+        updater.prefetch(PrefetchRequest(to_version="v2", kind="delta"))
+    assert all(torch.equal(held[k], v) for k, v in versions.model_tensors["v0"].items())
+
+
+def test_sparse_updates_write_only_changed_positions_and_revert_exactly(versions) -> None:  # type: ignore[no-untyped-def]
+    held = {k: v.clone() for k, v in versions.model_tensors["v0"].items()}
+    updater = WeightUpdater.for_dict(held, version="v0", store_url=str(versions.store))
+    views = {k: v.data_ptr() for k, v in held.items()}
+    pulled = updater.prefetch(PrefetchRequest(to_version="v1", kind="delta"))
+    updater.apply(ApplyRequest(to_version="v1", expected_hash=versions.hashes["v1"]))
+    changed = sum(int((versions.model_tensors["v0"][k] != versions.model_tensors["v1"][k]).sum()) for k in held)
+    assert pulled["changed"] == changed
+    assert all(
+        torch.equal(held[k], v) and held[k].data_ptr() == views[k] for k, v in versions.model_tensors["v1"].items()
+    )
+    assert updater.prefetch(PrefetchRequest(to_version="v0"))["kind"] == "undo"
+    updater.apply(ApplyRequest(to_version="v0", expected_hash=versions.hashes["v0"]))
+    assert all(torch.equal(held[k], v) for k, v in versions.model_tensors["v0"].items())
+    # A tampered undo is refused before anything is written.
+    assert updater.prefetch(PrefetchRequest(to_version="v1"))["kind"] == "undo"
+    updater.apply(ApplyRequest(to_version="v1", expected_hash=versions.hashes["v1"]))
+    assert updater.undo is not None
+    _name, (_positions, old) = next(iter(updater.undo.changes.items()))
+    old[0] ^= 1
+    with pytest.raises(ValueError, match="does not restore"):
+        updater.prefetch(PrefetchRequest(to_version="v0"))
+    assert all(torch.equal(held[k], v) for k, v in versions.model_tensors["v1"].items())

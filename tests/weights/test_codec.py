@@ -178,3 +178,23 @@ def test_fuzz_mutated_payload_never_returns_wrong_weights(
     except WeightsError:
         return
     assert np.array_equal(out, target)
+
+
+def test_changes_and_chunked_checksum_match_the_materialized_tensor() -> None:
+    from policy.weights.changes import checksum_changed, materialize
+    from policy.weights.codec import decode_changes, encode_tensor
+    from policy.weights.format import checksum
+
+    rng = np.random.default_rng(3)
+    for size in (1, 7, 4096, (1 << 18) + 5):
+        base = rng.integers(0, 1 << 16, size, dtype=np.uint16)
+        target = base.copy()
+        moved = rng.choice(size, max(1, size // 25), replace=False)
+        target[moved] ^= rng.integers(1, 1 << 16, moved.size, dtype=np.uint16)
+        encoded = encode_tensor(base, target, None, level=3)
+        changes = decode_changes(encoded.payload, base, base.dtype, size)
+        assert np.array_equal(materialize(base, changes), target)
+        if changes.positions is not None:
+            assert np.all(np.diff(changes.positions) > 0)
+            assert checksum_changed(base, changes.positions, changes.words) == checksum(target)
+            assert checksum_changed(base, changes.positions, changes.words, chunk=1000) == checksum(target)
