@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field
 
 
@@ -51,3 +53,5 @@ class PolicyConfig(BaseModel):
     """Rollouts more than this many versions behind the trained policy are dropped and counted."""
     threads: int = Field(default=1, ge=1)
     """torch CPU threads of the trainer (fixed, so runs are bit-reproducible)."""
+    parallel: Literal["fsdp", "ddp"] = "fsdp"
+    """Several trainer processes (torchrun): ``fsdp`` shards weights, grads and optimizer; ``ddp`` replicates."""

@@ -4,6 +4,12 @@ Each version is a checkpoint directory ``<root>/vNNNN`` (Hugging Face format) pl
 ``policy_versions`` row written after it (the row is the completion marker). The trainer's
 resumable state lives in ``<root>/state/vNNNN``: a run killed mid-version resumes there and
 produces bit-identical weights. The scheduler drives these functions; they know nothing of it.
+
+Under ``torchrun`` (a process group initialised by the caller) every rank calls
+:func:`run_rl_versions`: the model is sharded (``PolicyConfig.parallel``, FSDP by default) or
+replicated, rank 0 samples each step's rollouts and shares them, and rank 0 alone evaluates,
+writes the checkpoint and the version row; every rank returns the same rows. The warm-up stays
+one process (it is a few minutes of supervised training on the tiny presets).
 """
 
 from __future__ import annotations
@@ -16,8 +22,10 @@ from typing import Any
 import structlog
 import torch
 from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session
 
 from policy.config import PolicyConfig
+from policy.distributed import broadcast, shard, unsharded_copy, world
 from policy.evaluate import EvalConfig, evaluate
 from policy.losses import LossConfig
 from policy.model import load_checkpoint, save_checkpoint
@@ -84,29 +92,46 @@ def run_rl_versions(
     parent = latest_version(engine)
     if parent is None:
         raise RuntimeError("no policy version yet; run `undertow policy warmup` first")
-    out = []
+    out: list[dict[str, Any]] = []
     for _ in range(versions):
         number = (version_number(parent.version_id) or 0) + 1
         model, tokenizer = load_checkpoint(parent.checkpoint_path)
+        if world()[1] > 1 and cfg.parallel == "fsdp":
+            shard(model)
         tcfg = train_config(cfg, steps)
         tcfg = replace(tcfg, seed=cfg.seed * 7919 + number)
         state_dir = root / "state" / version_id(number)
         summary = train_offline(model, tokenizer, tcfg, state_dir=state_dir, version=number, start_step=0)
-        summary.update(evaluate(model, tokenizer, eval_cfg))
-        path = save_checkpoint(model, tokenizer, root / version_id(number))
-        row = record_version(
-            engine,
-            version=version_id(number),
-            parent=parent.version_id,
-            step=parent.step + int(summary["train/steps"]),
-            checkpoint_path=path,
-            metrics=summary,
-            num_samples=int(summary.get("batch/rollouts", 0) * summary["train/steps"]),
-            staleness_mean=0.0,
-            staleness_max=0,
-        )
-        shutil.rmtree(state_dir, ignore_errors=True)
-        log.info("policy.version", version=row.version_id, keep_rate=summary.get("eval/keep_rate"))
-        out.append(_row_dict(row))
-        parent = row
+        whole = unsharded_copy(model)  # rank 0 only: evaluation and the checkpoint need whole tensors
+        row_dict: dict[str, Any] | None = None
+        if whole is not None:
+            summary.update(evaluate(whole, tokenizer, eval_cfg))
+            path = save_checkpoint(whole, tokenizer, root / version_id(number))
+            row = record_version(
+                engine,
+                version=version_id(number),
+                parent=parent.version_id,
+                step=parent.step + int(summary["train/steps"]),
+                checkpoint_path=path,
+                metrics=summary,
+                num_samples=int(summary.get("batch/rollouts", 0) * summary["train/steps"]),
+                staleness_mean=0.0,
+                staleness_max=0,
+            )
+            shutil.rmtree(state_dir, ignore_errors=True)
+            log.info("policy.version", version=row.version_id, keep_rate=summary.get("eval/keep_rate"))
+            row_dict = _row_dict(row)
+        row_dict = broadcast(row_dict)  # also the barrier: the next version loads rank 0's checkpoint
+        assert row_dict is not None
+        out.append(row_dict)
+        parent = _version_row(engine, row_dict["version"])
     return out
+
+
+def _version_row(engine: Engine, version: str) -> PolicyVersionRow:
+    with Session(engine) as db:
+        row = db.get(PolicyVersionRow, version)
+        if row is None:
+            raise RuntimeError(f"policy version {version} was recorded but is not in the database")
+        db.expunge(row)
+        return row

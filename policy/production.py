@@ -17,6 +17,10 @@ This is the trainer session the scheduler's ``rl_update`` task runs on borrowed 
   preempted and resumed trains on exactly the same batches;
 - **resume**: :meth:`ProductionSession.save` writes weights, optimizer, step and the plan (session
   ids with their rewards) to one file; :meth:`load` restores it;
+- **several processes**: constructed on every rank of a ``torchrun`` job, the session shards the
+  model (``PolicyConfig.parallel``), every rank reads the same sessions and plan from the
+  database, and only rank 0 writes the resume file, the checkpoint and the version row (the
+  scheduler's ``rl_update`` task runs it in one process);
 - **result**: the new version is evaluated on the fixed held-out task set, saved and recorded
   (``policy_versions``), and its id, checkpoint and metrics are returned.
 
@@ -41,6 +45,16 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, selectinload
 
 from ingest.db import make_engine
+from policy.distributed import (
+    barrier,
+    broadcast,
+    is_main,
+    load_model_and_optim_state,
+    model_and_optim_state,
+    shard,
+    unsharded_copy,
+    world,
+)
 from policy.evaluate import EvalConfig, evaluate
 from policy.model import load_checkpoint, save_checkpoint
 from policy.pipeline import train_config
@@ -134,6 +148,8 @@ class ProductionSession:
         self.tcfg = tcfg
         self.eval_cfg = EvalConfig(**state.get("eval", {}))
         self.model, self.tokenizer = load_checkpoint(self.parent.checkpoint_path)
+        if world()[1] > 1 and self.cfg.parallel == "fsdp":
+            shard(self.model)
         self.opt = make_optimizer(self.model, tcfg)
         self.step_no = 0
         self.history: list[dict[str, float]] = []
@@ -186,15 +202,17 @@ class ProductionSession:
         return metrics
 
     def save(self, path: Path) -> None:
-        """Weights, optimizer, step and the batch plan in one file."""
-        state = {"model": self.model.state_dict(), "optim": self.opt.state_dict(), "step": self.step_no}
-        torch.save({**state, "plan": self.plan, "history": self.history, "number": self.number}, path)
+        """Weights, optimizer, step and the batch plan in one file (whole tensors; rank 0 writes)."""
+        model_state, optim_state = model_and_optim_state(self.model, self.opt)
+        if is_main():
+            state = {"model": model_state, "optim": optim_state, "step": self.step_no}
+            torch.save({**state, "plan": self.plan, "history": self.history, "number": self.number}, path)
+        barrier()
 
     def load(self, path: Path) -> None:
         """Restore :meth:`save` (the plan too: a resumed run trains on the same batches)."""
         state = torch.load(path, weights_only=False)
-        self.model.load_state_dict(state["model"])
-        self.opt.load_state_dict(state["optim"])
+        load_model_and_optim_state(self.model, self.opt, state["model"], state["optim"])
         self.step_no, self.plan, self.history = int(state["step"]), state["plan"], state["history"]
         self.number = int(state["number"])
 
@@ -208,9 +226,12 @@ class ProductionSession:
         }
         if self.label:
             metrics["label"] = self.label
-        metrics.update(evaluate(self.model, self.tokenizer, self.eval_cfg))
+        whole = unsharded_copy(self.model)  # rank 0 only: evaluation and the checkpoint need whole tensors
+        if whole is None:
+            return dict(broadcast(None))
+        metrics.update(evaluate(whole, self.tokenizer, self.eval_cfg))
         vid = version_id(self.number)
-        path = save_checkpoint(self.model, self.tokenizer, self.root / vid)
+        path = save_checkpoint(whole, self.tokenizer, self.root / vid)
         row = record_version(
             self.engine,
             version=vid,
@@ -224,13 +245,14 @@ class ProductionSession:
             staleness_max=self.stale.max,
         )
         log.info("policy.version", version=vid, keep_rate=metrics.get("eval/keep_rate"), label=self.label or None)
-        return {
+        result = {
             "version": row.version_id,
             "parent": row.parent_id,
             "checkpoint": str(path),
             "metrics": metrics,
             "staleness": {"kept": self.stale.kept, "dropped": self.stale.dropped, "mean": self.stale.mean},
         }
+        return dict(broadcast(result))
 
 
 def trainer_session(settings: Any, state: dict[str, Any]) -> ProductionSession:

@@ -4,10 +4,16 @@ One optimizer step (:func:`update_step`): advantages for the batch (GRPO groups,
 against a running per-context baseline), then for each rollout one full-sequence forward,
 batch of one, through :func:`policy.forward.forward_tokens` (the serving engine's code path,
 with routing replay of the served experts), the clipped and importance-corrected loss of
-:mod:`policy.losses`, and backward. Gradients accumulate over the batch; with several processes
-(``torchrun``, gloo on CPU) each rank takes every ``world``-th rollout and the gradients are
-summed with an all-reduce before the step (data parallel; the loss is normalised by the
-*global* token count, so 2 processes compute the same loss and update as 1).
+:mod:`policy.losses`, and backward. Gradients accumulate over the batch.
+
+Several processes (``torchrun``, gloo on CPU; :mod:`policy.distributed`): every rank gets the
+same global batch and takes every ``world``-th rollout that carries a gradient. With FSDP (``parallel = "fsdp"``, the
+default) the model is sharded per decoder layer; a rank with one rollout fewer adds a zero-weight
+pass so all run the same number of forward/backward passes (each gathers layers), gradients
+are accumulated locally and summed by FSDP's reduce-scatter at the last backward, and the clip
+and the optimizer work on the shards. With ``ddp`` each rank holds the whole model and the
+gradients are all-reduced. Either way the loss is normalised by the *global* token count, so
+2 processes compute the same loss and update as 1 (to float rounding: the sum order differs).
 
 Rollouts with zero advantage are skipped when no KL or entropy term needs them (they carry no
 policy gradient; DAPO's dynamic sampling drops such groups for the same reason).
@@ -15,15 +21,20 @@ policy gradient; DAPO's dynamic sampling drops such groups for the same reason).
 Online mode (:func:`train_on_rollouts`) takes scored production rollouts (see
 :func:`policy.rollouts.rollouts_from_sessions`), drops and counts stale ones, and steps once
 per batch of whole candidate groups. Offline mode (:func:`train_offline`) samples its own
-rollouts on the task family, seeded by ``(seed, step)`` only, and saves a resumable state
-(weights, optimizer, baseline, step) every ``save_every`` steps; a run killed and resumed ends
-with bit-identical weights to an uninterrupted run, and two runs with one seed produce
-bit-identical weights (CPU, same thread count).
+rollouts on the task family, seeded by ``(seed, step)`` only (rank 0 samples, with a gathered
+copy of the weights under FSDP, and shares the batch), and saves a resumable state (whole
+weights and optimizer keyed by parameter name, baseline, step; rank 0 writes) every
+``save_every`` steps; a run killed and resumed ends with bit-identical weights to an
+uninterrupted run, and two runs with one seed produce bit-identical weights (CPU, same thread
+count and world size).
 
 Left out: PPO multi-epoch minibatching over one batch (each batch is used for one step, so the
 proximal policy equals the served one and the ratio starts at 1; the clip and truncated IS
-matter for stale production data), and FSDP sharding (the tiny presets fit one process; the
-all-reduce data-parallel path is what FSDP reduces to without sharding).
+matter for stale production data); packing several sequences into one forward (batch of one
+keeps the trainer's logprobs bit-equal to the served ones); GPU placement (shards stay on the
+CPU and the backend is gloo; NCCL and device meshes are what a GPU trainer adds); and
+sharded checkpoints (states are gathered whole on rank 0, which is right for the shipped
+presets and not for models that do not fit one host).
 """
 
 from __future__ import annotations
@@ -44,6 +55,19 @@ import torch.distributed as dist
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from policy.advantages import RunningBaseline, compute_advantages
+from policy.distributed import (
+    all_reduce_grads,
+    barrier,
+    broadcast,
+    is_main,
+    is_sharded,
+    load_model_and_optim_state,
+    model_and_optim_state,
+    set_gradient_sync,
+    to_float,
+    unsharded_copy,
+    world,
+)
 from policy.forward import forward_tokens, routers
 from policy.losses import LossConfig, LossInputs, load_balancing_loss, policy_loss
 from policy.rollouts import Rollout, StalenessStats, filter_stale, rollouts_from_tasks
@@ -73,10 +97,34 @@ class TrainConfig:
     save_every: int = 1
 
 
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+def _merge(sums: dict[str, float]) -> dict[str, float]:
+    """Diagnostics summed over the ranks (``gap/max_abs`` takes the maximum)."""
+    if world()[1] == 1:
+        return sums
+    parts: list[dict[str, float]] = [{} for _ in range(world()[1])]
+    dist.all_gather_object(parts, sums)
+    out: dict[str, float] = {}
+    for part in parts:
+        for k, v in part.items():
+            out[k] = max(out.get(k, 0.0), v) if k == "gap/max_abs" else out.get(k, 0.0) + v
+    return out
+
+
+def _microbatches(batch: list[Rollout], advantages: list[float], needs_all: bool, *, pad: bool) -> list[int | None]:
+    """This rank's rollout indices: every ``world``-th of those that carry a gradient.
+
+    Under FSDP every rank must run the same number of forward/backward passes (each one gathers
+    layers across ranks), so with ``pad`` a rank with one rollout fewer gets a ``None``: a pass
+    whose loss is scaled by zero. Unsharded ranks need no padding.
+    """
+    rank, size = world()
+    active = [i for i in range(len(batch)) if advantages[i] != 0.0 or needs_all]
+    mine: list[int | None] = list(active[rank::size])
+    if pad and size > 1:
+        count = torch.tensor([len(mine)])
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        mine += [None] * (int(count) - len(mine))
+    return mine
 
 
 def update_step(
@@ -88,8 +136,13 @@ def update_step(
     baseline: RunningBaseline | None = None,
     ref_model: PreTrainedModel | None = None,
 ) -> dict[str, float]:
-    """One optimizer step on ``batch`` (the global batch: every rank passes the same list)."""
-    rank, world = _world()
+    """One optimizer step on ``batch`` (the global batch: every rank passes the same list).
+
+    ``model`` may be plain (one process, or ``ddp``: gradients all-reduced here) or FSDP-sharded
+    (:func:`policy.distributed.shard`: gradients reduce-scattered by FSDP at the last backward).
+    """
+    _, size = world()
+    sharded = is_sharded(model)
     advantages = compute_advantages(
         [r.reward for r in batch],
         [r.group_id for r in batch],
@@ -103,10 +156,12 @@ def update_step(
     sums: dict[str, float] = {}
     optimizer.zero_grad(set_to_none=True)
     total_loss = torch.zeros((), dtype=torch.float64)
-    for i in range(rank, len(batch), world):
+    work = _microbatches(batch, advantages, needs_all, pad=sharded)
+    for n, index in enumerate(work):
+        set_gradient_sync(model, n == len(work) - 1)
+        pad = index is None
+        i = 0 if index is None else index
         r, adv = batch[i], advantages[i]
-        if adv == 0.0 and not needs_all:
-            continue
         mask = torch.tensor(r.mask, dtype=torch.bool)
         out = forward_tokens(
             model,
@@ -134,21 +189,26 @@ def update_step(
         )
         result = policy_loss(inputs, cfg.loss)
         loss = result.loss
+        lb = None
         if cfg.loss.load_balance_coef > 0:
             lb = load_balancing_loss(out.router_logits, top_k)
             loss = loss + cfg.loss.load_balance_coef * lb * (logp.shape[0] / normalizer)
-            sums["moe/load_balance_sum"] = sums.get("moe/load_balance_sum", 0.0) + float(lb) * logp.shape[0]
+        if pad:
+            (loss * 0.0).backward()  # keeps FSDP's collectives in step; contributes nothing
+            continue
         loss.backward()
         total_loss += float(loss.detach())
+        if lb is not None:
+            sums["moe/load_balance_sum"] = sums.get("moe/load_balance_sum", 0.0) + float(lb) * logp.shape[0]
         sums["gap/max_abs"] = max(sums.get("gap/max_abs", 0.0), float((logp.detach() - served_t).abs().max()))
         for k, v in result.metrics.items():
             sums[k] = sums.get(k, 0.0) + v
-    if world > 1:
-        for p in model.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+    set_gradient_sync(model, True)
+    if size > 1:
+        if not sharded:
+            all_reduce_grads(model)
         dist.all_reduce(total_loss, op=dist.ReduceOp.SUM)
+        sums = _merge(sums)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     optimizer.step()
     tokens = max(1.0, sums.get("tokens", 0.0))
@@ -162,7 +222,7 @@ def update_step(
         "is/truncated_frac": sums.get("is/truncated_sum", 0.0) / tokens,
         "entropy/mean": sums.get("entropy/sum_over_norm", 0.0) * normalizer / tokens,
         "gap/max_abs_logprob": sums.get("gap/max_abs", 0.0),
-        "optim/grad_norm": float(grad_norm),
+        "optim/grad_norm": to_float(grad_norm),
         "reward/mean": float(np.mean(rewards)) if rewards else 0.0,
         "batch/rollouts": float(len(batch)),
         "batch/trained_tokens": tokens,
@@ -180,18 +240,25 @@ def make_optimizer(model: PreTrainedModel, cfg: TrainConfig) -> torch.optim.Opti
 def save_state(
     path: Path, model: PreTrainedModel, opt: torch.optim.Optimizer, step: int, extra: dict[str, Any]
 ) -> None:
-    """Write the resumable trainer state atomically (temporary file, then rename)."""
-    path.mkdir(parents=True, exist_ok=True)
-    tmp = path / (STATE_FILE + ".tmp")
-    torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": step, "extra": extra}, tmp)
-    os.replace(tmp, path / STATE_FILE)
+    """Write the resumable trainer state atomically (temporary file, then rename).
+
+    Full tensors keyed by parameter name, whatever the world size (so a state saved by N
+    processes resumes in one and back). Every rank calls it (gathering shards is collective);
+    only rank 0 writes.
+    """
+    model_state, optim_state = model_and_optim_state(model, opt)
+    if is_main():
+        path.mkdir(parents=True, exist_ok=True)
+        tmp = path / (STATE_FILE + ".tmp")
+        torch.save({"model": model_state, "optim": optim_state, "step": step, "extra": extra}, tmp)
+        os.replace(tmp, path / STATE_FILE)
+    barrier()
 
 
 def load_state(path: Path, model: PreTrainedModel, opt: torch.optim.Optimizer) -> tuple[int, dict[str, Any]]:
-    """Restore weights and optimizer from :func:`save_state`; returns (step, extra)."""
+    """Restore weights and optimizer from :func:`save_state` (every rank reads the file); returns (step, extra)."""
     state = torch.load(path / STATE_FILE, weights_only=False)
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["optim"])
+    load_model_and_optim_state(model, opt, state["model"], state["optim"])
     return int(state["step"]), dict(state["extra"])
 
 
@@ -221,18 +288,24 @@ def train_offline(
     end = start_step + cfg.steps
     history: list[dict[str, float]] = []
     started = time.monotonic()
+    sampler: PreTrainedModel | None = None
     while step < end:
         tasks = step_tasks(cfg.seed, step, cfg.tasks_per_step)
-        batch = rollouts_from_tasks(
-            model,
-            tokenizer,
-            tasks,
-            group_size=cfg.group_size,
-            temperature=cfg.temperature,
-            max_tokens=cfg.max_tokens,
-            seed=cfg.seed * 1_000_003 + step,
-            version=version,
-        )
+        # rank 0 samples (with the policy itself, or under FSDP a gathered copy) and shares the batch
+        sampler = unsharded_copy(model, into=sampler)
+        batch: list[Rollout] = []
+        if sampler is not None:
+            batch = rollouts_from_tasks(
+                sampler,
+                tokenizer,
+                tasks,
+                group_size=cfg.group_size,
+                temperature=cfg.temperature,
+                max_tokens=cfg.max_tokens,
+                seed=cfg.seed * 1_000_003 + step,
+                version=version,
+            )
+        batch = broadcast(batch)
         metrics = update_step(model, opt, batch, cfg, baseline=baseline)
         metrics["reward/kept_rate"] = float(np.mean([r.info["kept"] for r in batch])) if batch else 0.0
         step += 1
@@ -240,7 +313,7 @@ def train_offline(
         if on_step is not None:
             on_step(step, metrics)
         log.info("trainer.step", step=step, reward=round(metrics["reward/mean"], 3), kept=metrics["reward/kept_rate"])
-        if state_dir is not None and (step % cfg.save_every == 0 or step == end) and _world()[0] == 0:
+        if state_dir is not None and (step % cfg.save_every == 0 or step == end):
             save_state(state_dir, model, opt, step, {"baseline": baseline.state_dict(), "config": _jsonable(cfg)})
     summary = {k: float(np.mean([h[k] for h in history if k in h])) for k in (history[0] if history else {})}
     summary["train/steps"] = float(len(history))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -52,31 +55,70 @@ def warmup_cmd(
         typer.echo(f"{row['version']}: keep rate {row['metrics'].get('eval/keep_rate', 0):.3f} at {row['checkpoint']}")
 
 
+def _launch(nproc: int, args: list[str]) -> int:
+    """Run ``undertow policy train ARGS`` in ``nproc`` processes under torchrun; relay rank 0's stdout."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        "-m", "scheduler.cli", "policy", "train", *args,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=False)
+    sys.stdout.write(proc.stdout)
+    sys.stdout.flush()
+    return proc.returncode
+
+
 @policy_app.command("train")
 def train_cmd(
     versions: int = typer.Option(1, help="How many successive versions to train."),
     steps: int = typer.Option(0, help="RL steps per version (0: the configured rl_steps_per_version)."),
     samples: int = typer.Option(4, help="Evaluation samples per held-out task."),
     per_tier: int = typer.Option(32, help="Held-out tasks per tier in the evaluation."),
+    nproc: int = typer.Option(
+        1, "--nproc", help="Trainer processes on this machine (launches torchrun; see policy.parallel)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
-    """Offline RL on the task family from the latest version; records each new version."""
+    """Offline RL on the task family from the latest version; records each new version.
+
+    With --nproc N (or under torchrun) N processes train one model (FSDP: policy.parallel); rank 0 writes.
+    """
+    if versions < 1:
+        raise typer.BadParameter("--versions must be at least 1")
+    if nproc < 1:
+        raise typer.BadParameter("--nproc must be at least 1")
+    if nproc > 1 and "WORLD_SIZE" not in os.environ:
+        args = [f"--versions={versions}", f"--steps={steps}", f"--samples={samples}", f"--per-tier={per_tier}"]
+        code = _launch(nproc, [*args, "--json"] if as_json else args)
+        if code != 0:
+            raise typer.Exit(code)
+        return
+
+    from policy.distributed import barrier, init_from_env, shutdown
     from policy.pipeline import run_rl_versions
     from scheduler.cli.common import print_json, setup
     from scheduler.runtime import open_database
 
-    if versions < 1:
-        raise typer.BadParameter("--versions must be at least 1")
+    rank, _ = init_from_env()
     settings = setup()
-    engine = open_database(settings)
-    rows = run_rl_versions(
-        settings.policy,
-        checkpoints_root(settings),
-        engine,
-        versions=versions,
-        steps=steps or None,
-        eval_cfg=_eval_config(samples, per_tier),
-    )
+    if rank == 0:  # rank 0 brings the schema up to date before the others open the database
+        engine = open_database(settings)
+    barrier()
+    if rank != 0:
+        engine = open_database(settings)
+    try:
+        rows = run_rl_versions(
+            settings.policy,
+            checkpoints_root(settings),
+            engine,
+            versions=versions,
+            steps=steps or None,
+            eval_cfg=_eval_config(samples, per_tier),
+        )
+    finally:
+        shutdown()
+    if rank != 0:
+        return
     if as_json:
         print_json({"versions": rows})
     else:

@@ -1,4 +1,4 @@
-"""Subprocess entry points for the trainer tests (resume after SIGKILL, torchrun data parallel)."""
+"""Subprocess entry points for the trainer tests (resume after SIGKILL, torchrun FSDP and data parallel)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from pathlib import Path
 import torch
 
 
-def tiny_setup():  # type: ignore[no-untyped-def]
+def tiny_setup(seed: int = 0):  # type: ignore[no-untyped-def]
     from policy.model import build_model
     from policy.tokenizer import default_tokenizer
 
     torch.set_num_threads(1)
     tok = default_tokenizer()
-    return build_model("tiny", len(tok), seed=0), tok
+    return build_model("tiny", len(tok), seed=seed), tok
 
 
 def small_train_config(steps: int):  # type: ignore[no-untyped-def]
@@ -58,28 +58,58 @@ def resume_main(state_dir: str, steps: int) -> None:
     train_offline(model, tok, small_train_config(steps), state_dir=Path(state_dir))
 
 
-def ddp_main(out_path: str) -> None:
-    import torch.distributed as dist
+def uneven_batch(model, tok):  # type: ignore[no-untyped-def]
+    """The synthetic batch plus a zero-advantage group (skipped) and a third group: 9 rollouts
+    with a gradient, so with 2 ranks one has a rollout fewer and the FSDP path pads it."""
+    from dataclasses import replace
 
+    batch = synthetic_batch(model, tok)
+    batch.insert(0, replace(batch[0], group_id="gz", reward=0.5))
+    batch.insert(2, replace(batch[3], group_id="gz", reward=0.5))
+    batch += [replace(batch[i], group_id="g2", reward=r) for i, r in ((2, 1.0), (4, 0.0), (6, 0.2))]
+    return batch
+
+
+def one_step(model, batch, grad_clip: float):  # type: ignore[no-untyped-def]
+    """One update with SGD at lr 1 (its first step with momentum moves the weights by exactly the clipped gradient)."""
     from policy.trainer import TrainConfig, update_step
 
-    dist.init_process_group("gloo")
+    opt = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
+    return update_step(model, opt, batch, TrainConfig(grad_clip=grad_clip)), opt
+
+
+def parallel_main(mode: str, out_path: str, grad_clip: float) -> None:
+    """Under torchrun: one step on the uneven batch (``fsdp`` or ``ddp``), then a resumable state."""
+    from policy.distributed import init_from_env, is_main, shard, shutdown, unsharded_copy
+    from policy.trainer import load_state, save_state
+
+    init_from_env()
     model, tok = tiny_setup()
-    batch = synthetic_batch(model, tok)
-    cfg = TrainConfig(grad_clip=1e9)
-    # plain SGD with lr 1: the weight change is exactly the all-reduced gradient
-    metrics = update_step(model, torch.optim.SGD(model.parameters(), lr=1.0), batch, cfg)
-    if dist.get_rank() == 0:
-        weights = {k: v.clone() for k, v in model.state_dict().items()}
-        torch.save({"loss": metrics["loss/total"], "weights": weights}, out_path)
-    dist.destroy_process_group()
+    batch = uneven_batch(model, tok)  # scored by the whole model, as the serving engine would
+    if mode == "fsdp":
+        shard(model)
+    metrics, opt = one_step(model, batch, grad_clip)
+    whole = unsharded_copy(model)
+    weights = {k: v.clone() for k, v in whole.state_dict().items()} if whole is not None else {}
+    state = Path(out_path).with_suffix(".state")
+    save_state(state, model, opt, 1, {"mode": mode})
+    # every rank resumes that state into a fresh (differently initialised) model of the same layout
+    again, _ = tiny_setup(seed=1)
+    if mode == "fsdp":
+        shard(again)
+    step, _ = load_state(state, again, torch.optim.SGD(again.parameters(), lr=1.0, momentum=0.9))
+    reloaded = unsharded_copy(again)
+    if is_main():
+        same = step == 1 and all(torch.equal(v, reloaded.state_dict()[k]) for k, v in weights.items())
+        torch.save({"metrics": metrics, "weights": weights, "reloaded_same": same}, out_path)
+    shutdown()
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "resume":
         resume_main(sys.argv[2], int(sys.argv[3]))
-    elif sys.argv[1] == "ddp":
-        ddp_main(sys.argv[2])
+    elif sys.argv[1] in ("fsdp", "ddp"):
+        parallel_main(sys.argv[1], sys.argv[2], float(sys.argv[3]))
     else:
         print(json.dumps({"error": f"unknown worker {sys.argv[1]}"}))
         sys.exit(2)
