@@ -8,7 +8,8 @@ produced once to a fresh topic on the embedded broker.
   and JSON-decoding each value, nothing else;
 - ``ingest_events_per_s``: :class:`ingest.consumer.IngestConsumer` over the same records
   (consume, validate against the contract, idempotent batched write, offsets stored in the same
-  transaction, Kafka commit), until caught up;
+  transaction, Kafka commit), until caught up, with its default writer (``writer``: validation
+  and writes in a forked process beside the polling one);
 - both rates run from the first record received to the last one handled (connection set-up,
   the same for both, is left out);
 - latency: a steady stream produced while the consumer runs; from the producer's record
@@ -208,6 +209,7 @@ def main() -> None:
         "p99_latency_ms": round(float(np.percentile(latencies, 99)), 1) if latencies else None,
         "latency_events": len(latencies),
         "mean_batch": round(stats.records / max(1, stats.batches), 1),
+        "writer": ingest.writer,
         "lost": lost,
         "duplicated": duplicated,
         "note": "2-core machine shared with other work; rates vary with contention",

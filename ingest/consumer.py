@@ -17,12 +17,13 @@ Faults:
   read twice around the switch are counted as duplicates, never stored twice or lost).
 - ``SIGTERM``: the batch in hand is finished and committed, then the consumer exits.
 
-Pipelining: batch N is written and committed by a writer thread while the main thread polls and
-validates batch N+1 (the database driver releases the GIL while SQLite or PostgreSQL works). At
-most one batch is in flight; N+1 is handed to the writer only after N's transaction committed, so
-stored offsets only ever move forward over rows that are stored, and Kafka's commit, the
-dead-letter topic and ``on_commit`` still follow the database commit. Before any seek (partition
-assignment, revocation, a new cluster) the batch in flight is finished first.
+Pipelining: batches are validated, written and committed by a writer (:mod:`ingest.batches`: a
+forked process by default, else a thread) while the consumer polls the next ones. The writer
+commits them one at a time, in order, and commits none after a batch that did not commit, so
+stored offsets only ever move forward over rows that are stored; Kafka's commit, the dead-letter
+topic and ``on_commit`` follow each database commit, in order. The process writer takes a second
+batch (it validates and builds its rows while the first commits); the thread writer one. Before
+any seek (partition assignment, revocation, a new cluster) every batch in flight is finished.
 
 Validation: :func:`ingest.fastpath.fast_parse` (msgspec) first; what it refuses goes through
 :func:`ingest.schemas.parse_event` (pydantic), which accepts it or names the dead-letter reason.
@@ -37,29 +38,19 @@ import gc
 import signal
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 from kafka import ConsumerRebalanceListener
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
-from ingest import schemas
+from ingest.batches import BatchContext, Pending, RawRecord, make_writer
 from ingest.config import IngestConfig, KafkaConfig
 from ingest.db import transaction
-from ingest.fastpath import FastEvent, fast_parse
-from ingest.writer import (
-    DeadLetter,
-    Delivery,
-    WriteResult,
-    load_offsets,
-    store_offsets,
-    write_dead_letters,
-    write_events,
-)
+from ingest.writer import DeadLetter, load_offsets
 
 log = structlog.get_logger(__name__)
 
@@ -97,20 +88,12 @@ class ConsumerStats:
 
 @dataclass
 class _InFlight:
-    """A batch handed to the writer thread, and what to do once its transaction committed."""
+    """A batch handed to the writer, and what to do once its transaction committed."""
 
-    future: Future[tuple[WriteResult, float, float] | None]
+    future: Pending
     records: int
-    letters: list[DeadLetter]
     offsets: dict[tuple[str, int], int]
     timestamps_ms: list[int]
-
-
-def _is_transient(exc: BaseException) -> bool:
-    """A database error worth retrying: the connection or the server, not the statement."""
-    if isinstance(exc, OperationalError | InterfaceError):
-        return True
-    return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
 
 
 class IngestConsumer:
@@ -140,8 +123,9 @@ class IngestConsumer:
         self._dlq: Any = None
         self._cluster: str | None = None
         self._committed: dict[tuple[str, int], int] = {}
-        self._writer: ThreadPoolExecutor | None = None
-        self._in_flight: _InFlight | None = None
+        self._writer: Any = None
+        self._in_flight: deque[_InFlight] = deque()
+        """Batches handed to the writer, oldest first (at most its ``depth``)."""
         self._failed = False
         """A batch did not commit (stopped while the database was away): nothing after it may commit."""
 
@@ -271,11 +255,24 @@ class IngestConsumer:
         """Consume until stopped (or, with ``once``, until caught up with every partition)."""
         from kafka.errors import KafkaError
 
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="undertow-ingest-writer")
-        self._open()
         thresholds = gc.get_threshold()
         if self.cfg.gc_threshold:
             _quiet_gc(self.cfg.gc_threshold)
+        ctx = BatchContext(
+            self.kafka.group_id, self.kafka.max_message_bytes, self.cfg.retry_initial_s, self.cfg.retry_max_s
+        )
+        try:
+            # Before the Kafka clients start their threads: a writer process is forked here.
+            self._writer = make_writer(self.engine, self.cfg, ctx, self._stop, self._on_db_retry)
+            self._open()
+        except BaseException:
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
+            if self.cfg.gc_threshold:
+                gc.set_threshold(*thresholds)
+                gc.unfreeze()
+            raise
         started = time.monotonic()
         last_topic_check = time.monotonic()
         broker_delay = self.cfg.retry_initial_s
@@ -295,9 +292,10 @@ class IngestConsumer:
                     last_topic_check = time.monotonic()
             self._drain()
         finally:
-            self._writer.shutdown(wait=True)  # a write in flight finishes (its rows and offsets commit together)
-            self._writer = None
-            self._in_flight = None
+            if self._writer is not None:
+                self._writer.close()  # a write in flight finishes (its rows and offsets commit together)
+                self._writer = None
+            self._in_flight.clear()
             self.close()
             if self.cfg.gc_threshold:
                 gc.set_threshold(*thresholds)
@@ -307,8 +305,8 @@ class IngestConsumer:
 
     def _step(self, once: bool, check_topics: bool) -> bool:
         """One poll and its batch; True when ``once`` is done."""
-        if self._in_flight is not None and self._in_flight.future.done():
-            self._drain()
+        while self._in_flight and self._in_flight[0].future.done():
+            self._finish(self._in_flight.popleft())
         if self._failed:
             self._stop.set()
             return True
@@ -352,49 +350,39 @@ class IngestConsumer:
             self._assign_all()
 
     def _process(self, records: list[Any], cluster: str | None) -> None:
-        """Validate a batch here, then hand it to the writer once the batch before it committed."""
-        deliveries: list[Delivery] = []
-        letters: list[DeadLetter] = []
+        """Hand a batch to the writer (which validates and writes it) once it has room for it."""
+        raw: list[RawRecord] = []
         offsets: dict[tuple[str, int], int] = {}
-        max_bytes = self.kafka.max_message_bytes
-        parse = schemas.parse_event
-        fast = fast_parse
         for rec in records:
             offsets[(rec.topic, rec.partition)] = rec.offset + 1
-            value = rec.value if rec.value is not None else b""
-            event: schemas.Event | FastEvent | None = fast(value) if len(value) <= max_bytes else None
-            if event is not None:
-                deliveries.append(Delivery(event, rec.topic, rec.partition, rec.offset))
-                continue
-            try:  # pydantic decides what the fast path refused, and names the reason
-                event = parse(value, max_bytes)
-            except schemas.InvalidEvent as exc:
-                letters.append(DeadLetter(rec.topic, rec.partition, rec.offset, rec.key, value, exc.reason, exc.detail))
-                continue
-            deliveries.append(Delivery(event, rec.topic, rec.partition, rec.offset))
-        self._drain()
-        if self._failed or self._writer is None:  # the batch before did not commit: neither may this one
+            raw.append((rec.topic, rec.partition, rec.offset, rec.key, rec.value))
+        if self._writer is None:
             return
-        future = self._writer.submit(self._write, deliveries, letters, offsets, cluster)
-        self._in_flight = _InFlight(future, len(records), letters, offsets, [r.timestamp for r in records])
+        self._drain(keep=self._writer.depth - 1)
+        if self._failed:  # a batch before did not commit: neither may this one
+            return
+        future = self._writer.submit(raw, offsets, cluster)
+        self._in_flight.append(_InFlight(future, len(records), offsets, [r.timestamp for r in records]))
 
-    def _drain(self) -> None:
-        """Wait for the batch in flight; after its commit: dead-letter topic, Kafka commit, stats, ``on_commit``."""
-        batch, self._in_flight = self._in_flight, None
-        if batch is None:
-            return
+    def _drain(self, keep: int = 0) -> None:
+        """Wait for the batches in flight, oldest first, until ``keep`` are left."""
+        while len(self._in_flight) > keep:
+            self._finish(self._in_flight.popleft())
+
+    def _finish(self, batch: _InFlight) -> None:
+        """After a batch's commit: dead-letter topic, Kafka commit, stats, ``on_commit``."""
         done = batch.future.result()  # a non-transient database error is raised here
         if done is None:  # stopped while the database was away: nothing committed, nothing lost
             self._failed = True
             return
-        result, committed_at, committed_mono = done
-        self.stats.last_commit_s = committed_mono
+        result, letters = done.result, done.letters
+        self.stats.last_commit_s = done.committed_mono
         self.stats.records += batch.records
         self.stats.stored += result.stored
         self.stats.duplicates += result.duplicates
-        self.stats.dead_letters += len(batch.letters)
+        self.stats.dead_letters += len(letters)
         self.stats.batches += 1
-        for dl in batch.letters:
+        for dl in letters:
             self._dlq.send(self.kafka.dlq_topic, key=dl.key, value=dl.value, headers=_dlq_headers(dl))
         self._commit_kafka(batch.offsets)
         if self.on_commit is not None:
@@ -403,40 +391,17 @@ class IngestConsumer:
                     records=batch.records,
                     stored=result.stored,
                     duplicates=result.duplicates,
-                    dead_letters=len(batch.letters),
-                    committed_at=committed_at,
+                    dead_letters=len(letters),
+                    committed_at=done.committed_at,
                     timestamps_ms=batch.timestamps_ms,
                     stored_ids=result.stored_ids,
                 )
             )
 
-    def _write(
-        self,
-        deliveries: list[Delivery],
-        letters: list[DeadLetter],
-        offsets: dict[tuple[str, int], int],
-        cluster: str | None,
-    ) -> tuple[WriteResult, float, float] | None:
-        """One transaction (in the writer thread); transient errors are retried with backoff until it commits.
-
-        Returns the result with ``time.time()`` and ``time.monotonic()`` right after the commit.
-        """
-        delay = self.cfg.retry_initial_s
-        while True:
-            try:
-                with transaction(self.engine) as session:
-                    result = write_events(session, deliveries)
-                    write_dead_letters(session, letters)
-                    store_offsets(session, self.kafka.group_id, offsets, cluster)
-                return result, time.time(), time.monotonic()
-            except DBAPIError as exc:
-                if not _is_transient(exc):
-                    raise
-                self.stats.db_retries += 1
-                log.warning("ingest.db_unavailable", error=str(exc.orig)[:200], retry_in_s=round(delay, 2))
-                if self._stop.wait(delay):
-                    return None
-                delay = min(delay * 2, self.cfg.retry_max_s)
+    def _on_db_retry(self, error: str, delay: float) -> None:
+        """A transient database error: the writer retries the batch after ``delay`` seconds."""
+        self.stats.db_retries += 1
+        log.warning("ingest.db_unavailable", error=error, retry_in_s=round(delay, 2))
 
     def _commit_kafka(self, offsets: dict[tuple[str, int], int], final: bool = False) -> None:
         """Mirror the stored offsets to Kafka's group offsets (best effort: the database is the truth)."""

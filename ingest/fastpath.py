@@ -65,25 +65,23 @@ class FileChange(_Part):
     lines_removed: Count
 
 
-class SessionCompletedPayload(_Part, dict=True):
+class SessionCompletedPayload(_Part):
     model: Id
     policy_version: Id
     prompt: Prompt
     segments: Annotated[list[Segment], msgspec.Meta(min_length=1)]
     group_id: Id | None = None
     candidate_index: Count | None = None
-    routed_experts: str | None = None
+    routed_experts: bytes | None = None
+    """Decoded from base64 by msgspec (stricter than ``base64.b64decode(validate=True)``: never looser)."""
     sampling: Sampling | None = None
     finish_reason: Annotated[str, msgspec.Meta(max_length=32)] | None = None
     latency_ms: Annotated[float, msgspec.Meta(ge=0)] | None = None
     files: list[FileChange] | None = None
 
     def experts_npy(self) -> bytes | None:
-        """The raw ``.npy`` bytes of ``routed_experts`` (decoded once, by :func:`fast_parse`)."""
-        if self.routed_experts is None:
-            return None
-        npy: bytes | None = self.__dict__.get("npy")
-        return npy if npy is not None else schemas.routed_experts_npy(self.routed_experts)
+        """The raw ``.npy`` bytes of ``routed_experts`` (checked by :func:`fast_parse`)."""
+        return self.routed_experts
 
 
 class CandidatesShownPayload(_Part):
@@ -235,7 +233,7 @@ def _session_ok(p: SessionCompletedPayload) -> bool:
         return False
     if p.routed_experts is not None:
         try:
-            p.__dict__["npy"] = schemas.routed_experts_npy(p.routed_experts)
+            schemas.checked_npy(p.routed_experts)
         except PydanticCustomError:
             return False
     return True

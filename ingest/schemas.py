@@ -202,10 +202,20 @@ def routed_experts_npy(text: str) -> bytes:
     """The raw ``.npy`` bytes of a ``routed_experts`` field, checked to be a rank-3 int array."""
     try:
         raw = base64.b64decode(text, validate=True)
+    except binascii.Error as exc:
+        raise PydanticCustomError(
+            "routed_experts", "routed_experts is not base64 of a .npy file: {e}", {"e": str(exc)}
+        ) from None
+    return checked_npy(raw)
+
+
+def checked_npy(raw: bytes) -> bytes:
+    """``raw`` (decoded ``routed_experts``) when it is a ``.npy`` rank-3 int array; else the contract's error."""
+    try:
         if _npy_fast_ok(raw):
             return raw
         array = np.load(io.BytesIO(raw), allow_pickle=False)
-    except (binascii.Error, ValueError, OSError, EOFError) as exc:
+    except (ValueError, OSError, EOFError) as exc:
         raise PydanticCustomError(
             "routed_experts", "routed_experts is not base64 of a .npy file: {e}", {"e": str(exc)}
         ) from None

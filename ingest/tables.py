@@ -5,7 +5,8 @@ Token ids are stored as little-endian int32 bytes, logprobs as float64 bytes (bi
 what the engine returned) and routed experts as the raw ``.npy`` bytes vLLM sent (decoded from
 base64): compact, and loaded straight into NumPy with :mod:`ingest.arrays`.
 Signals keep no foreign key to sessions: they may arrive before their session, and are joined
-by ``session_id`` whenever it arrives.
+by ``session_id`` whenever it arrives. Only columns that queries filter, join or group by are
+indexed (each index costs every insert).
 """
 
 from __future__ import annotations
@@ -28,12 +29,12 @@ class SessionRow(Base):
 
     session_id: Mapped[str] = mapped_column(String(ID_LEN), primary_key=True)
     event_id: Mapped[str] = mapped_column(String(ID_LEN), unique=True)
-    user_id: Mapped[str | None] = mapped_column(String(ID_LEN), index=True)
+    user_id: Mapped[str | None] = mapped_column(String(ID_LEN))
     occurred_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
     received_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     model: Mapped[str] = mapped_column(String(ID_LEN))
     policy_version: Mapped[str] = mapped_column(String(ID_LEN), index=True)
-    group_id: Mapped[str | None] = mapped_column(String(ID_LEN), index=True)
+    group_id: Mapped[str | None] = mapped_column(String(ID_LEN))
     candidate_index: Mapped[int | None] = mapped_column(Integer)
     prompt_text: Mapped[str | None] = mapped_column(Text)
     prompt_token_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
@@ -79,9 +80,9 @@ class SignalRow(Base):
     event_id: Mapped[str] = mapped_column(String(ID_LEN), unique=True)
     type: Mapped[str] = mapped_column(String(32), index=True)
     session_id: Mapped[str | None] = mapped_column(String(ID_LEN), index=True)
-    user_id: Mapped[str | None] = mapped_column(String(ID_LEN), index=True)
+    user_id: Mapped[str | None] = mapped_column(String(ID_LEN))
     group_id: Mapped[str | None] = mapped_column(String(ID_LEN), index=True)
-    occurred_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+    occurred_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     received_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     horizon_s: Mapped[int | None] = mapped_column(Integer)
     """Retention horizon in seconds (``code.retained`` only)."""

@@ -2,37 +2,71 @@
 
 ``session.completed`` becomes a :class:`~ingest.tables.SessionRow` with its segments; every other
 type becomes a :class:`~ingest.tables.SignalRow` with its type-specific number in ``value``
-(:func:`signal_value`). An ``event_id`` already stored, or seen earlier in the same batch, is
-recorded in ``duplicates`` and never stored twice. So is a second ``session.completed`` for a
-``session_id`` already stored under another ``event_id`` (a producer that re-sent a session with a
-fresh id): a session is one rollout and is stored once.
+(:func:`~ingest.rows.signal_value`). An ``event_id`` already stored, or seen earlier in the same
+batch, is recorded in ``duplicates`` and never stored twice. So is a second ``session.completed``
+for a ``session_id`` already stored under another ``event_id`` (a producer that re-sent a session
+with a fresh id): a session is one rollout and is stored once.
 
-Safety against a concurrent writer comes from ``INSERT .. ON CONFLICT DO NOTHING RETURNING``
-(SQLite 3.35+ and PostgreSQL): whatever a racing transaction stored first is counted as a
-duplicate here. The consumer calls :func:`write_events`, :func:`write_dead_letters` and
-:func:`store_offsets` in one transaction, so rows and offsets commit together.
+The hot inserts go through the driver's ``executemany`` with rows built by :mod:`ingest.rows`, in
+the session's transaction; everything else goes through SQLAlchemy. Safety against a concurrent
+writer comes from ``INSERT OR IGNORE`` (SQLite) / ``INSERT .. ON CONFLICT DO NOTHING``
+(PostgreSQL): whatever a racing transaction stored first is counted as a duplicate here. The
+consumer calls :func:`write_events`, :func:`write_dead_letters` and :func:`store_offsets` in one
+transaction, so rows and offsets commit together.
 """
 
 from __future__ import annotations
 
-import json
-import operator
-import sqlite3
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from operator import itemgetter
 from typing import Any, cast
 
-import msgspec
-from pydantic import BaseModel
-from sqlalchemy import JSON, DateTime, Table, select
+from sqlalchemy import Table, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from ingest import fastpath, schemas
-from ingest.arrays import pack_floats, pack_ids
+from ingest.rows import (
+    DUPLICATE_COLUMNS,
+    SEGMENT_COLUMNS,
+    SESSION_COLUMNS,
+    SESSION_EVENT_ID,
+    SESSION_KEY,
+    SIGNAL_COLUMNS,
+    Codec,
+    JsonText,
+    Row,
+    codec_for,
+    payload_json,
+    session_rows,
+    session_values,
+    signal_row,
+    signal_value,
+    signal_values,
+)
 from ingest.tables import ConsumerOffsetRow, DeadLetterRow, DuplicateRow, SegmentRow, SessionRow, SignalRow
+
+__all__ = [
+    "DeadLetter",
+    "Delivery",
+    "JsonText",
+    "PreparedEvents",
+    "WriteResult",
+    "existing_event_ids",
+    "load_offsets",
+    "payload_json",
+    "prepare_events",
+    "session_rows",
+    "signal_row",
+    "signal_value",
+    "store_offsets",
+    "write_dead_letters",
+    "write_events",
+    "write_prepared",
+]
 
 _CHUNK = 500
 _SESSIONS = cast(Table, SessionRow.__table__)
@@ -43,7 +77,7 @@ _DEAD_LETTERS = cast(Table, DeadLetterRow.__table__)
 _OFFSETS = cast(Table, ConsumerOffsetRow.__table__)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Delivery:
     """One validated event and where it was read from (``topic=""`` when it came from elsewhere).
 
@@ -54,10 +88,6 @@ class Delivery:
     topic: str = ""
     partition: int = -1
     offset: int = -1
-
-
-class JsonText(str):
-    """A value that is already JSON text (serialized by pydantic-core): bound as it is, never re-encoded."""
 
 
 @dataclass(frozen=True)
@@ -93,66 +123,8 @@ def _insert(session: Session, table: Table) -> Any:
     raise RuntimeError(f"Unsupported database dialect {name!r}: use SQLite or PostgreSQL.")
 
 
-def _converters(dialect: str, table: Table, cols: list[str]) -> list[Any]:
-    """Per column, the value the driver needs, as SQLAlchemy's types would bind it.
-
-    SQLite: timestamps as naive UTC text, JSON as text. PostgreSQL: JSON wrapped for psycopg.
-    A :class:`JsonText` value is already JSON and goes as it is. Every other value goes as it is.
-    """
-    out: list[Any] = []
-    for name in cols:
-        kind = table.c[name].type
-        if isinstance(kind, JSON):
-            if dialect == "sqlite":
-                out.append(_json_text)
-            else:
-                from psycopg.types.json import Json
-
-                out.append(_pg_json(Json))
-        elif isinstance(kind, DateTime) and dialect == "sqlite":
-            memo: dict[datetime, str] = {}
-
-            def as_text(value: datetime | None, memo: dict[datetime, str] = memo) -> str | None:
-                if value is None:
-                    return None
-                text = memo.get(value)
-                if text is None:
-                    # SQLAlchemy's SQLite format, "%Y-%m-%d %H:%M:%S.%f" (isoformat is faster than strftime)
-                    text = memo[value] = value.astimezone(UTC).replace(tzinfo=None).isoformat(" ", "microseconds")
-                return text
-
-            out.append(as_text)
-        else:
-            out.append(None)
-    return out
-
-
-def _json_text(value: Any) -> str:
-    return str.__str__(value) if type(value) is JsonText else json.dumps(value)
-
-
-def _pg_json(wrapper: Any) -> Any:
-    def convert(value: Any) -> Any:
-        if value is None:
-            return None
-        if type(value) is JsonText:
-            return wrapper(str.__str__(value), dumps=_same)
-        return wrapper(value)
-
-    return convert
-
-
-def _same(text: str) -> str:
-    return text
-
-
-def _driver_error(session: Session) -> type[Exception]:
-    """The driver's base exception class (to re-raise as SQLAlchemy's ``DBAPIError``)."""
-    if session.get_bind().dialect.name == "postgresql":
-        import psycopg
-
-        return psycopg.Error
-    return sqlite3.Error
+def _codec(session: Session) -> Codec:
+    return codec_for(session.get_bind().dialect.name)
 
 
 def _cursor(session: Session) -> Any:
@@ -160,63 +132,42 @@ def _cursor(session: Session) -> Any:
     return session.connection().connection.driver_connection.cursor()  # type: ignore[union-attr]
 
 
-def _driver_executemany(session: Session, table: Table, rows: list[dict[str, Any]], skip_conflicts: bool) -> int:
-    """Insert through the driver in the session's transaction; returns the rows inserted.
-
-    SQLAlchemy's per-row bind processing costs more than the insert itself at these batch sizes.
-    """
-    dialect = session.get_bind().dialect.name
-    cols = list(rows[0])
-    columns: list[Any] = []
-    for name, convert in zip(cols, _converters(dialect, table, cols), strict=True):
-        values = list(map(operator.itemgetter(name), rows))
-        columns.append(values if convert is None else list(map(convert, values)))
-    params = list(zip(*columns, strict=True))
-    names = ", ".join(f'"{c}"' for c in cols)
-    base_error: type[Exception]
-    if dialect == "sqlite":
-        verb, marks, tail, base_error = ("INSERT OR IGNORE" if skip_conflicts else "INSERT"), "?", "", sqlite3.Error
-    elif dialect == "postgresql":
-        import psycopg
-
-        verb, marks, tail, base_error = (
-            "INSERT",
-            "%s",
-            (" ON CONFLICT DO NOTHING" if skip_conflicts else ""),
-            psycopg.Error,
-        )
-    else:
-        raise RuntimeError(f"Unsupported database dialect {dialect!r}: use SQLite or PostgreSQL.")
-    statement = f'{verb} INTO "{table.name}" ({names}) VALUES ({", ".join([marks] * len(cols))}){tail}'
+def _executemany(
+    session: Session, codec: Codec, table: Table, columns: tuple[str, ...], rows: list[Row], skip_conflicts: bool
+) -> int:
+    """Insert ``rows`` (tuples in ``columns`` order) through the driver; returns the rows inserted."""
+    statement = codec.insert(table.name, columns, skip_conflicts)
     cursor = _cursor(session)
     try:
-        cursor.executemany(statement, params)
+        cursor.executemany(statement, rows)
         return int(cursor.rowcount)
-    except base_error as exc:  # raised as SQLAlchemy would (OperationalError: locked, connection lost, ...)
-        raise DBAPIError.instance(statement, None, exc, base_error) from exc
+    except codec.error as exc:  # raised as SQLAlchemy would (OperationalError: locked, connection lost, ...)
+        raise DBAPIError.instance(statement, None, exc, codec.error) from exc
     finally:
         cursor.close()
-
-
-def _insert_all(session: Session, table: Table, rows: list[dict[str, Any]]) -> None:
-    """Plain batched insert."""
-    _driver_executemany(session, table, rows, skip_conflicts=False)
 
 
 def _naive_utc(ts: datetime) -> datetime:
     return ts.astimezone(UTC).replace(tzinfo=None) if ts.tzinfo else ts
 
 
-def _insert_new(session: Session, table: Table, rows: list[dict[str, Any]], received_at: datetime) -> set[str]:
-    """Insert rows whose keys may already exist; returns the ``event_id`` of the rows inserted.
+def _insert_new(
+    session: Session,
+    codec: Codec,
+    table: Table,
+    columns: tuple[str, ...],
+    rows: list[Row],
+    key: int,
+    received_at: datetime,
+) -> set[str]:
+    """Insert rows whose keys may already exist; returns the ``event_id`` (at ``key``) of the rows inserted.
 
-    ``INSERT OR IGNORE`` (SQLite) / ``ON CONFLICT DO NOTHING`` (PostgreSQL). The pre-select
-    already removed stored ids, so every row goes in unless a concurrent writer stored some of
-    them meanwhile (in SQLite's WAL mode that makes this insert fail and the consumer retry);
-    then the rows stamped with this batch's ``received_at`` are ours.
+    The pre-select already removed stored ids, so every row goes in unless a concurrent writer
+    stored some of them meanwhile (in SQLite's WAL mode that makes this insert fail and the
+    consumer retry); then the rows stamped with this batch's ``received_at`` are ours.
     """
-    count = _driver_executemany(session, table, rows, skip_conflicts=True)
-    keys = {row["event_id"] for row in rows}
+    count = _executemany(session, codec, table, columns, rows, skip_conflicts=True)
+    keys = set(map(itemgetter(key), rows))
     if count == len(rows):
         return keys
     ours: set[str] = set()
@@ -229,118 +180,6 @@ def _insert_new(session: Session, table: Table, rows: list[dict[str, Any]], rece
     return ours
 
 
-def _utc(ts: Any) -> datetime:
-    """An event's ``occurred_at`` (an aware datetime on both paths: the fast one parses it after decoding) in UTC."""
-    return cast(datetime, ts).astimezone(UTC)
-
-
-def signal_value(event: schemas.Event | fastpath.FastEvent) -> float | None:
-    """The number a signal carries in ``signals.value``.
-
-    ``code.retained``: lines_retained / lines_written (None when nothing was written);
-    ``feedback.thumbs``: +1 or -1; ``edit.*``: lines; ``candidates.shown``: K;
-    ``user.churned``: inactive days; otherwise None.
-    """
-    payload: Any = event.payload
-    kind = event.type
-    if kind == schemas.CODE_RETAINED:
-        return payload.lines_retained / payload.lines_written if payload.lines_written else None  # type: ignore[no-any-return]
-    if kind == schemas.FEEDBACK_THUMBS:
-        return float(payload.value)
-    if kind in (schemas.EDIT_ACCEPTED, schemas.EDIT_REJECTED):
-        return float(payload.lines) if payload.lines is not None else None
-    if kind == schemas.CANDIDATES_SHOWN:
-        return float(len(payload.session_ids))
-    if kind == schemas.USER_CHURNED:
-        return float(payload.inactive_days)
-    return None
-
-
-def payload_json(payload: BaseModel | msgspec.Struct) -> JsonText:
-    """A payload as JSON text, serialized in one call (unknown fields kept, None left out)."""
-    if isinstance(payload, msgspec.Struct):  # the fast path's structs omit None defaults, in field order
-        return JsonText(msgspec.json.encode(payload).decode())
-    return JsonText(type(payload).__pydantic_serializer__.to_json(payload, exclude_none=True).decode())
-
-
-def signal_row(event: schemas.Event | fastpath.FastEvent, received_at: datetime) -> dict[str, Any]:
-    """Column values of a ``signals`` row for a non-session event."""
-    payload = event.payload
-    group_id = (
-        getattr(payload, "group_id", None)
-        if event.type in (schemas.CANDIDATES_SHOWN, schemas.CANDIDATE_SELECTED)
-        else None
-    )
-    return {
-        "event_id": event.event_id,
-        "type": event.type,
-        "session_id": event.session_id,
-        "user_id": event.user_id,
-        "group_id": group_id,
-        "occurred_at": _utc(event.occurred_at),
-        "received_at": received_at,
-        "horizon_s": payload.horizon_s if event.type == schemas.CODE_RETAINED else None,  # type: ignore[union-attr]
-        "value": signal_value(event),
-        "payload": payload_json(payload),
-    }
-
-
-def session_rows(
-    event: schemas.SessionCompleted | fastpath.SessionCompleted, received_at: datetime
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Column values of the ``sessions`` row and its ``session_segments`` rows."""
-    p: Any = event.payload
-    assistant = [s for s in p.segments if s.role == "assistant"]
-    extra: dict[str, Any] = dict(p.model_extra or {})
-    if p.sampling is not None:
-        extra["sampling"] = (
-            msgspec.to_builtins(p.sampling)
-            if isinstance(p.sampling, msgspec.Struct)
-            else p.sampling.model_dump(mode="json", exclude_none=True)
-        )
-    if p.files is not None:
-        extra["files"] = [
-            {"path": f.path, "lines_added": f.lines_added, "lines_removed": f.lines_removed, **(f.model_extra or {})}
-            for f in p.files
-        ]
-    if p.prompt.model_extra:
-        extra["prompt_extra"] = dict(p.prompt.model_extra)
-    if any(s.model_extra for s in p.segments):
-        extra["segment_extra"] = [dict(s.model_extra or {}) for s in p.segments]
-    row = {
-        "session_id": event.session_id,
-        "event_id": event.event_id,
-        "user_id": event.user_id,
-        "occurred_at": _utc(event.occurred_at),
-        "received_at": received_at,
-        "model": p.model,
-        "policy_version": p.policy_version,
-        "group_id": p.group_id,
-        "candidate_index": p.candidate_index,
-        "prompt_text": p.prompt.text,
-        "prompt_token_ids": pack_ids(p.prompt.token_ids),
-        "completion_text": "".join(s.text or "" for s in assistant),
-        "num_completion_tokens": sum(len(s.token_ids or ()) for s in assistant),
-        "routed_experts": p.experts_npy(),
-        "logprobs_mode": (p.sampling.logprobs_mode if p.sampling and p.sampling.logprobs_mode else "raw"),
-        "finish_reason": p.finish_reason,
-        "latency_ms": p.latency_ms,
-        "extra": extra,
-    }
-    segments = [
-        {
-            "session_id": event.session_id,
-            "idx": i,
-            "role": s.role,
-            "text": s.text,
-            "token_ids": pack_ids(s.token_ids),
-            "logprobs": pack_floats(s.logprobs),
-        }
-        for i, s in enumerate(p.segments)
-    ]
-    return row, segments
-
-
 def existing_event_ids(session: Session, event_ids: Iterable[str]) -> set[str]:
     """Which of ``event_ids`` are already stored (as a session or a signal)."""
     ids = list(event_ids)
@@ -348,12 +187,12 @@ def existing_event_ids(session: Session, event_ids: Iterable[str]) -> set[str]:
     if not ids:
         return found
     # One statement per chunk through the driver: SQLAlchemy's expanding IN costs more than the lookup.
-    mark = "%s" if session.get_bind().dialect.name == "postgresql" else "?"
+    codec = _codec(session)
     cursor = _cursor(session)
     try:
         for start in range(0, len(ids), _CHUNK):
             chunk = ids[start : start + _CHUNK]
-            marks = ", ".join([mark] * len(chunk))
+            marks = ", ".join([codec.mark] * len(chunk))
             statement = (
                 f'SELECT event_id FROM "{_SESSIONS.name}" WHERE event_id IN ({marks}) '
                 f'UNION ALL SELECT event_id FROM "{_SIGNALS.name}" WHERE event_id IN ({marks})'
@@ -361,72 +200,96 @@ def existing_event_ids(session: Session, event_ids: Iterable[str]) -> set[str]:
             try:
                 cursor.execute(statement, chunk + chunk)
                 found.update(row[0] for row in cursor.fetchall())
-            except _driver_error(session) as exc:  # raised as SQLAlchemy would (locked, connection lost, ...)
-                raise DBAPIError.instance(statement, None, exc, _driver_error(session)) from exc
+            except codec.error as exc:  # raised as SQLAlchemy would (locked, connection lost, ...)
+                raise DBAPIError.instance(statement, None, exc, codec.error) from exc
     finally:
         cursor.close()
     return found
+
+
+@dataclass
+class PreparedEvents:
+    """A batch's rows, built before the transaction (:func:`prepare_events`), written by :func:`write_prepared`."""
+
+    codec: Codec
+    received_at: datetime
+    items: list[Delivery]
+    """Every delivery, in order."""
+    first: dict[str, tuple[Delivery, Row, list[Row] | None]]
+    """Per ``event_id``, its first delivery with its row (and segment rows for a session), in order."""
+
+
+def prepare_events(
+    codec: Codec, deliveries: Sequence[Delivery | schemas.Event], received_at: datetime | None = None
+) -> PreparedEvents:
+    """Build the rows of a batch (no database needed: a writer prepares the next batch while one commits)."""
+    received_at = received_at or datetime.now(UTC)
+    received = codec.ts(received_at)
+    items = [d if isinstance(d, Delivery) else Delivery(d) for d in deliveries]
+    first: dict[str, tuple[Delivery, Row, list[Row] | None]] = {}
+    for d in items:
+        event = d.event
+        if event.event_id in first:
+            continue
+        if event.type == schemas.SESSION_COMPLETED:
+            row, segs = session_values(event, received, codec)  # type: ignore[arg-type]
+            first[event.event_id] = (d, row, segs)
+        else:
+            first[event.event_id] = (d, signal_values(event, received, codec), None)
+    return PreparedEvents(codec, received_at, items, first)
 
 
 def write_events(
     session: Session, deliveries: Sequence[Delivery | schemas.Event], received_at: datetime | None = None
 ) -> WriteResult:
     """Store each event once; count every other delivery of an ``event_id`` as a duplicate."""
-    received_at = received_at or datetime.now(UTC)
-    items = [d if isinstance(d, Delivery) else Delivery(d) for d in deliveries]
+    return write_prepared(session, prepare_events(_codec(session), deliveries, received_at))
+
+
+def write_prepared(session: Session, prepared: PreparedEvents) -> WriteResult:
+    """:func:`write_events` for rows built by :func:`prepare_events` (with this session's dialect)."""
     result = WriteResult()
+    items, codec, received_at = prepared.items, prepared.codec, prepared.received_at
     if not items:
         return result
-    already = existing_event_ids(session, {d.event.event_id for d in items})
+    already = existing_event_ids(session, prepared.first)
     fresh: dict[str, Delivery] = {}
     dupes: list[Delivery] = []
     for d in items:
-        if d.event.event_id in already or d.event.event_id in fresh:
+        eid = d.event.event_id
+        if eid in already or eid in fresh:
             dupes.append(d)
         else:
-            fresh[d.event.event_id] = d
+            fresh[eid] = d
 
-    sessions: list[dict[str, Any]] = []
-    segments: dict[str, list[dict[str, Any]]] = {}
-    signals: list[dict[str, Any]] = []
-    for d in fresh.values():
-        if d.event.type == schemas.SESSION_COMPLETED:
-            row, segs = session_rows(d.event, received_at)  # type: ignore[arg-type]
-            if row["session_id"] in segments:  # the same session twice in one batch, under two event ids
-                continue  # counted below: not inserted
-            sessions.append(row)
-            segments[row["session_id"]] = segs
-        else:
-            signals.append(signal_row(d.event, received_at))
+    sessions: list[Row] = []
+    segments: dict[str, list[Row]] = {}
+    signals: list[Row] = []
+    for eid in fresh:
+        _, row, segs = prepared.first[eid]
+        if segs is None:
+            signals.append(row)
+        elif row[SESSION_KEY] not in segments:  # else the same session twice in one batch, under two event ids:
+            sessions.append(row)  # counted below, not inserted
+            segments[row[SESSION_KEY]] = segs
 
     # A fixed key order keeps two concurrent writers from deadlocking on each other's rows.
-    sessions.sort(key=lambda r: r["session_id"])
-    signals.sort(key=lambda r: r["event_id"])
+    sessions.sort(key=itemgetter(SESSION_KEY))
+    signals.sort(key=itemgetter(0))
     inserted: set[str] = set()
     if sessions:
-        inserted |= _insert_new(session, _SESSIONS, sessions, received_at)
-        seg_rows = [seg for row in sessions if row["event_id"] in inserted for seg in segments[row["session_id"]]]
+        inserted |= _insert_new(session, codec, _SESSIONS, SESSION_COLUMNS, sessions, SESSION_EVENT_ID, received_at)
+        seg_rows = [seg for row in sessions if row[SESSION_EVENT_ID] in inserted for seg in segments[row[SESSION_KEY]]]
         if seg_rows:
-            _insert_all(session, _SEGMENTS, seg_rows)
+            _executemany(session, codec, _SEGMENTS, SEGMENT_COLUMNS, seg_rows, skip_conflicts=False)
     if signals:
-        inserted |= _insert_new(session, _SIGNALS, signals, received_at)
+        inserted |= _insert_new(session, codec, _SIGNALS, SIGNAL_COLUMNS, signals, 0, received_at)
     dupes.extend(d for eid, d in fresh.items() if eid not in inserted)
 
     if dupes:
-        _insert_all(
-            session,
-            _DUPLICATES,
-            [
-                {
-                    "event_id": d.event.event_id,
-                    "topic": d.topic,
-                    "partition": d.partition,
-                    "offset": d.offset,
-                    "received_at": received_at,
-                }
-                for d in dupes
-            ],
-        )
+        received = codec.ts(received_at)
+        dupe_rows = [(d.event.event_id, d.topic, d.partition, d.offset, received) for d in dupes]
+        _executemany(session, codec, _DUPLICATES, DUPLICATE_COLUMNS, dupe_rows, skip_conflicts=False)
     result.stored = len(inserted)
     result.stored_ids = [eid for eid in fresh if eid in inserted]
     result.duplicates = len(dupes)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import threading
 import time
 from typing import Any
 
-from ingest_helpers import raw, session_event, signal_event
+import pytest
+from ingest_helpers import raw, session_event, signal_event, stream_events
 from sqlalchemy import func, select
 
 from ingest.config import IngestConfig, KafkaConfig
@@ -200,3 +202,27 @@ def test_hostile_payloads_never_crash_the_consumer(
     result = consume_once(engine, broker, kafka_cfg, ingest_cfg)
     assert (result.dead_letters, result.stored) == (len(hostile), 1)
     engine.dispose()
+
+
+@pytest.mark.parametrize("writer", ["process", "thread"])
+def test_each_writer_stores_every_event_once_and_leaves_nothing_running(
+    writer: str, engine: Any, broker: Any, kafka_cfg: KafkaConfig, ingest_cfg: IngestConfig, producer: Any
+) -> None:
+    events = stream_events(120, seed=21)
+    again = events[::7]  # delivered twice: counted, never stored twice
+    for ev in events + again:
+        producer.send(ev)
+    producer.send_raw(b"{not json", key=b"k")
+    producer.flush()
+
+    before = set(multiprocessing.active_children())
+    result = consume_once(engine, broker, kafka_cfg, ingest_cfg.model_copy(update={"writer": writer}))
+
+    assert (result.stored, result.duplicates, result.dead_letters) == (len(events), len(again), 1)
+    assert result.batches > 1  # several batches, so more than one was in flight
+    with transaction(engine) as s:
+        stored = s.scalar(select(func.count()).select_from(SessionRow)) + s.scalar(
+            select(func.count()).select_from(SignalRow)
+        )
+    assert stored == len(events)
+    assert set(multiprocessing.active_children()) <= before  # the writer process ended with the consumer

@@ -52,7 +52,7 @@ BASES: list[dict[str, Any]] = _sessions() + [
 
 def _comparable(row: dict[str, Any]) -> dict[str, Any]:
     """A row with JSON text columns parsed (field order and spacing may differ between the paths)."""
-    return {k: json.loads(str(v)) if k == "payload" else v for k, v in row.items()}
+    return {k: json.loads(str(v)) if k in ("payload", "extra") else v for k, v in row.items()}
 
 
 def _rows(event: Any) -> Any:

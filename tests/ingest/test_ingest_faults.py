@@ -108,7 +108,8 @@ def test_kill_9_three_times_while_20000_events_stream(tmp_path: Path, broker: An
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 
     rng = random.Random(20_000)
-    producer = produce_in_background(broker.bootstrap, kafka_cfg.topic, events, rate=1200)
+    # Slow enough that the stream outlasts three kills: a restarted consumer catches up within seconds.
+    producer = produce_in_background(broker.bootstrap, kafka_cfg.topic, events, rate=700)
     proc = start()
     try:
         for kill in range(3):
