@@ -217,7 +217,7 @@ def main() -> None:
         "model": f"{args.preset} preset, {n_params} parameters, bf16 in the store, fp32 in the engines",
         "store": "local filesystem, files in the page cache (no network between store and replicas)",
         "total_s": round(time.perf_counter() - started, 1),
-        "note": "3 CPU engine replicas on a shared 2-core machine under concurrent load; numbers are noisy",
+        "note": "3 CPU engine replicas, the gateway and the load clients share the machine; single runs are noisy",
     }
     print(json.dumps(result))
 

@@ -212,7 +212,7 @@ def main() -> None:
         "writer": ingest.writer,
         "lost": lost,
         "duplicated": duplicated,
-        "note": "2-core machine shared with other work; rates vary with contention",
+        "note": "absolute rates move with the machine's load; the ratio is measured within one run",
     }
     engine.dispose()
     tmp.cleanup()
