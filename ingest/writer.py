@@ -219,36 +219,6 @@ class PreparedEvents:
     """Per ``event_id``, its first delivery with its row (and segment rows for a session), in order."""
 
 
-@dataclass(frozen=True, slots=True)
-class EventRef:
-    """What :func:`write_prepared` reads of an event once its rows are built: its id."""
-
-    event_id: str
-
-
-PackedEvents = tuple[str, datetime, list[tuple[str, str, int, int]], list[tuple[str, Row, list[Row] | None]]]
-"""A :class:`PreparedEvents` as plain tuples: sent between processes (cheap to pickle).
-Producer: the validating process of :mod:`ingest.batches`; consumer: its writer process."""
-
-
-def pack_prepared(prepared: PreparedEvents) -> PackedEvents:
-    """The rows and delivery coordinates of a prepared batch, without the events themselves."""
-    items = [(d.event.event_id, d.topic, d.partition, d.offset) for d in prepared.items]
-    first = [(eid, row, segs) for eid, (_, row, segs) in prepared.first.items()]
-    return prepared.codec.dialect, prepared.received_at, items, first
-
-
-def unpack_prepared(packed: PackedEvents) -> PreparedEvents:
-    """:func:`pack_prepared` undone, with :class:`EventRef` in place of each event."""
-    dialect, received_at, items, first = packed
-    deliveries = [Delivery(cast(Any, EventRef(eid)), topic, part, offset) for eid, topic, part, offset in items]
-    by_id: dict[str, Delivery] = {}
-    for d in deliveries:
-        by_id.setdefault(d.event.event_id, d)
-    rows = {eid: (by_id[eid], row, segs) for eid, row, segs in first}
-    return PreparedEvents(codec_for(dialect), received_at, deliveries, rows)
-
-
 def prepare_events(
     codec: Codec, deliveries: Sequence[Delivery | schemas.Event], received_at: datetime | None = None
 ) -> PreparedEvents:
