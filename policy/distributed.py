@@ -28,6 +28,7 @@ patched router sees plain weights on every rank.
 
 from __future__ import annotations
 
+import gc
 import os
 from typing import Any
 
@@ -67,8 +68,15 @@ def init_from_env() -> tuple[int, int]:
 
 
 def shutdown() -> None:
-    """Leave the process group (no-op outside one)."""
+    """Leave the process group (no-op outside one).
+
+    Every rank waits for the others first and drops its finished collective handles: a rank
+    that tears down gloo while a peer is still working, or with handles still alive, can abort
+    at exit (``terminate called without an active exception``)."""
     if dist.is_available() and dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()
+        gc.collect()
         dist.destroy_process_group()
 
 
