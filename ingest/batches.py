@@ -2,17 +2,23 @@
 
 The consumer hands each batch to a writer and polls the next one meanwhile. Two writers ship:
 
-- ``process`` (the default): a writer process forked when the consumer starts, before its Kafka
+- ``process`` (the default): two processes started when the consumer starts, before its Kafka
   clients exist. kafka-python decodes records in Python, so a writer *thread* would hold the
   interpreter lock about as long as the consumer itself (validation, row building and the
-  driver's binding are Python too) and the two would mostly take turns; a process runs them on
-  another core. It inherits the engine (with its listeners and options) and re-creates the pool,
-  so no connection is shared. Batches and answers go over a pipe, in order; while one batch
-  commits, the process validates and builds the rows of the next (two in flight). After a batch
-  that did not commit, it commits none of those sent after it. The process dies with the
-  consumer (``PR_SET_PDEATHSIG``): after a ``kill -9`` its open transaction rolls back, exactly as
-  in one process. It never logs itself (a lock held by another thread at
-  the fork could block it): it reports database retries to the consumer, which logs them.
+  driver's binding are Python too) and they would mostly take turns. The first process
+  validates each batch and builds its rows; the second opens its own engine on the same URL and
+  writes and commits; three interpreters keep both cores busy. Both come from multiprocessing's
+  fork server, never from a fork of the consumer: the consumer usually runs in a thread of a
+  process whose other threads use SQLite, and a child forked while one of them held SQLite's
+  global mutex would block forever in its first ``connect``. Batches go consumer -> validator
+  -> writer and answers writer -> consumer over pipes, in order, each as plain tuples (the
+  events themselves stay in the validator: pickling them would cost more than validating).
+  Every process always reads its input pipe into a queue, so none blocks on a full pipe while
+  another waits on it. After a batch that did not commit, the writer commits none of those sent
+  after it. Both processes die with the consumer: the fork server leaves when the consumer's
+  process ends and takes them with it (``PR_SET_PDEATHSIG``), and a closed input pipe ends them
+  too; after a ``kill -9`` the open transaction rolls back, exactly as in one process. The writer
+  reports database retries to the consumer, which logs them.
 - ``thread``: the same work in a thread, where a fork cannot share the database (in-memory
   SQLite) or is not wanted.
 
@@ -23,8 +29,9 @@ commit (stopped while the database was away) reports ``None``.
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing
-import os
+import pickle
 import queue
 import signal
 import threading
@@ -39,7 +46,7 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from ingest import schemas
 from ingest.config import IngestConfig
-from ingest.db import transaction
+from ingest.db import make_engine, transaction
 from ingest.fastpath import FastEvent, fast_parse
 from ingest.rows import Codec, codec_for
 from ingest.writer import (
@@ -47,8 +54,10 @@ from ingest.writer import (
     Delivery,
     PreparedEvents,
     WriteResult,
+    pack_prepared,
     prepare_events,
     store_offsets,
+    unpack_prepared,
     write_dead_letters,
     write_prepared,
 )
@@ -79,6 +88,8 @@ class BatchContext:
     max_message_bytes: int
     retry_initial_s: float
     retry_max_s: float
+    gc_threshold: int = 0
+    """Young-generation threshold of the writer processes' collector (0: Python's default); see :func:`quiet_gc`."""
 
 
 class Pending(Protocol):
@@ -211,32 +222,50 @@ class _ChildPending:
 
 
 class ProcessWriter:
-    """Batches written by a forked process (see the module docstring)."""
+    """Batches validated by one forked process and written by another (see the module docstring)."""
 
-    depth = 2
-    """Batches in flight at most: one committing, the next one being prepared."""
+    depth = 3
+    """Batches in flight at most: one committing, one being prepared, one on its way."""
 
     def __init__(self, engine: Engine, ctx: BatchContext, stop: threading.Event, on_retry: OnRetry) -> None:
-        fork = multiprocessing.get_context("fork")
+        mp = server_context()
         self._stop = stop
         self._on_retry = on_retry
         self._sent = 0
         self._received = 0
         self._answers: dict[int, tuple[str, Any]] = {}
-        self._child_stop = fork.Event()
-        self._conn, child_conn = fork.Pipe()
-        self._process = fork.Process(
-            target=_child_main,
-            args=(child_conn, engine, ctx, self._child_stop, os.getpid()),
+        self._child_stop = child_stop = mp.Event()
+        jobs_out, self._jobs = mp.Pipe(duplex=False)
+        prepared_out, prepared_in = mp.Pipe(duplex=False)
+        self._conn, answers_in = mp.Pipe(duplex=False)
+        url = engine.url.render_as_string(hide_password=False)
+        self._preparer = mp.Process(
+            target=_prepare_main,
+            args=(jobs_out, prepared_in, engine.dialect.name, ctx),
+            name="undertow-ingest-prepare",
+            daemon=True,
+        )
+        self._committer = mp.Process(
+            target=_commit_main,
+            args=(prepared_out, answers_in, url, ctx, child_stop),
             name="undertow-ingest-writer",
             daemon=True,
         )
-        self._process.start()
-        child_conn.close()
+        self._preparer.start()
+        self._committer.start()
+        # The children hold their own copies now; closing ours lets each reader see EOF when its writer is gone.
+        for end in (jobs_out, prepared_out, prepared_in, answers_in):
+            end.close()
 
     def submit(self, records: list[RawRecord], offsets: dict[tuple[str, int], int], cluster: str | None) -> Pending:
-        """Send a batch to the writer process."""
-        self._conn.send((records, offsets, cluster))
+        """Send a batch to the validating process."""
+        try:
+            self._jobs.send((records, offsets, cluster))
+        except OSError as exc:  # BrokenPipeError: the validating process is gone
+            raise RuntimeError(
+                f"The ingest validating process exited (code {self._preparer.exitcode}); the database holds "
+                "every batch that was committed. Restart the consumer to resume from there."
+            ) from exc
         self._sent += 1
         return _ChildPending(self, self._sent - 1)
 
@@ -246,9 +275,9 @@ class ProcessWriter:
             if not self._conn.poll(0.1 if block else 0):
                 if self._stop.is_set():
                     self._child_stop.set()  # a batch retrying against an absent database gives up
-                if not self._process.is_alive() and not self._conn.poll(0):
+                if not self._committer.is_alive() and not self._conn.poll(0):
                     raise RuntimeError(
-                        f"The ingest writer process exited (code {self._process.exitcode}); the database "
+                        f"The ingest writer process exited (code {self._committer.exitcode}); the database "
                         "holds every batch it committed. Restart the consumer to resume from there."
                     )
                 if not block:
@@ -263,20 +292,22 @@ class ProcessWriter:
             return
 
     def close(self) -> None:
-        """Let the writer process finish and exit (it holds no batch once the consumer drained)."""
+        """Let both processes finish and exit (they hold no batch once the consumer drained)."""
         if self._stop.is_set():
             self._child_stop.set()  # a batch retrying against an absent database gives up
-        with contextlib.suppress(OSError):  # a writer that is gone has nothing to finish
-            self._conn.send(None)
+        with contextlib.suppress(OSError):  # a preparer that is gone has nothing to finish
+            self._jobs.send(None)
         deadline = time.monotonic() + 30
-        while self._process.is_alive() and time.monotonic() < deadline:  # answers left unread: a batch
+        while self._committer.is_alive() and time.monotonic() < deadline:  # answers left unread: a batch
             with contextlib.suppress(EOFError, OSError):  # after an error the consumer gave up on
                 if self._conn.poll(0.1):
                     self._conn.recv()
-        self._process.join(timeout=1)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join()
+        for process in (self._preparer, self._committer):
+            process.join(timeout=1)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        self._jobs.close()
         self._conn.close()
 
 
@@ -289,46 +320,108 @@ def make_writer(engine: Engine, cfg: IngestConfig, ctx: BatchContext, stop: thre
     return ThreadWriter(engine, ctx, stop, on_retry)
 
 
-def _die_with_parent(parent: int) -> None:
-    """SIGKILL this process when the thread that forked it ends (Linux); exit now if it already has."""
+def quiet_gc(young: int) -> None:
+    """Keep the cyclic garbage collector from dominating a batch.
+
+    Every batch allocates tens of thousands of containers (token id lists, rows) that die with
+    it; with Python's default threshold a young collection runs every 700 of them and each older
+    one walks every live object, libraries included. Freezing what exists now (modules, clients,
+    compiled validators) takes those out of every walk, and a larger young threshold makes the
+    walks rarer; nothing is leaked, batch garbage is reference-counted away.
+    """
+    gc.collect()
+    gc.freeze()
+    _, mid, old = gc.get_threshold()
+    gc.set_threshold(young, mid, old)
+
+
+def server_context() -> Any:
+    """multiprocessing's fork-server context, its server preloaded with the writer's modules.
+
+    The server is one clean, single-threaded interpreter per consumer process, started on first
+    use; each writer process is a fork of it, so none inherits a lock held by another thread of
+    the consumer's process."""
+    mp = multiprocessing.get_context("forkserver")
+    mp.set_forkserver_preload(["ingest.batches"])
+    return mp
+
+
+def _child_setup(ctx: BatchContext) -> None:
+    """What both writer processes do first: die with the fork server (it leaves with the consumer's
+    process; Linux), ignore the consumer's signals (it decides when to stop, and tells us) and
+    tune the collector as the consumer does."""
     try:
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the closed pipe ends the process instead
+    except (OSError, AttributeError):  # not Linux: the closed input pipe ends the process instead
         pass
-    if os.getppid() != parent:
-        os._exit(0)
-
-
-def _child_main(conn: Any, engine: Engine, ctx: BatchContext, stop: Any, parent: int) -> None:
-    """The writer process: prepares each batch here while the one before commits in a second thread."""
-    _die_with_parent(parent)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the consumer decides when to stop, and tells us
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    engine.dispose(close=False)  # the parent's connections stay the parent's
-    codec = codec_for(engine.dialect.name)
-    # Unbounded (the consumer sends at most ``depth`` batches ahead): this thread always reads the pipe, so
-    # the consumer never blocks on a send while the committing thread sends it a large answer.
+    if ctx.gc_threshold:
+        quiet_gc(ctx.gc_threshold)
+
+
+def _drain_into(conn: Any, jobs: queue.Queue[Any], convert: Callable[[Any], Any]) -> threading.Thread:
+    """A thread that always reads ``conn`` into the unbounded ``jobs`` queue (``None`` at the end).
+
+    A process that always reads its input never lets its sender block on a full pipe, so no cycle
+    of three processes each waiting to send can form; ``convert`` runs on each message here.
+    """
+
+    def run() -> None:
+        while True:
+            try:
+                message = conn.recv()
+            except EOFError:  # the sender is gone
+                message = None
+            if message is None:
+                jobs.put(None)
+                return
+            jobs.put(convert(message))
+
+    thread = threading.Thread(target=run, name="reader", daemon=True)
+    thread.start()
+    return thread
+
+
+def _prepare_main(conn: Any, out: Any, dialect: str, ctx: BatchContext) -> None:
+    """The validating process: checks each batch and builds its rows, then hands them to the writer process."""
+    _child_setup(ctx)
+    codec = codec_for(dialect)
     jobs: queue.Queue[Any] = queue.Queue()
-    committer = threading.Thread(target=_child_commits, args=(conn, engine, ctx, stop, jobs), name="commits")
-    committer.start()
-    while True:
-        try:
-            job = conn.recv()
-        except EOFError:  # the consumer is gone
-            job = None
-        if job is None:
-            jobs.put(None)
-            break
+    _drain_into(conn, jobs, lambda message: message)
+    while (job := jobs.get()) is not None:
         records, offsets, cluster = job
         try:
             prepared, letters = prepare_batch(codec, ctx, records)
-        except BaseException as exc:  # answered in order, by the committing thread
-            jobs.put(exc)
-            continue
-        jobs.put((prepared, letters, offsets, cluster))
-    committer.join()
+            message: tuple[Any, ...] = ("batch", pack_prepared(prepared), letters, offsets, cluster)
+        except BaseException as exc:  # answered in order, by the writer process
+            message = ("error", exc)
+        try:
+            out.send(message)
+        except (TypeError, AttributeError, pickle.PicklingError) as exc:  # e.g. an error that does not pickle
+            out.send(("error", RuntimeError(f"the batch could not be handed to the writer process: {exc}")))
+    out.send(None)
+
+
+def _unpack_message(message: tuple[Any, ...]) -> Any:
+    if message[0] == "error":
+        return message[1]
+    _, packed, letters, offsets, cluster = message
+    return unpack_prepared(packed), letters, offsets, cluster
+
+
+def _commit_main(conn: Any, out: Any, url: str, ctx: BatchContext, stop: Any) -> None:
+    """The writer process: commits the prepared batches in order, on its own engine, and answers the consumer."""
+    _child_setup(ctx)
+    engine = make_engine(url)
+    jobs: queue.Queue[Any] = queue.Queue()
+    _drain_into(conn, jobs, _unpack_message)
+    try:
+        _child_commits(out, engine, ctx, stop, jobs)
+    finally:
+        engine.dispose()
 
 
 def _child_commits(conn: Any, engine: Engine, ctx: BatchContext, stop: Any, jobs: queue.Queue[Any]) -> None:

@@ -44,8 +44,9 @@ class IngestConfig(BaseModel):
     topic_check_s: float = 2.0
     """How often an idle consumer checks that its topic still exists (an embedded broker restart empties it)."""
     writer: Literal["process", "thread"] = "process"
-    """Who validates and writes a batch while the next one is polled: a forked process (another core) or a thread;
-    in-memory SQLite always uses a thread."""
+    """Who validates and writes a batch while the next one is polled: two processes (one validates, one writes;
+    other cores) or a thread; in-memory SQLite always uses a thread."""
     gc_threshold: int = Field(default=50_000, ge=0)
     """While consuming: objects allocated between young garbage collections (Python's default is 700);
-    long-lived objects are frozen out of the collector at start. 0 leaves the collector as it is."""
+    long-lived objects are frozen out of the collector at start (in the writer processes too). 0 leaves the
+    collector as it is."""

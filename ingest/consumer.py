@@ -47,7 +47,7 @@ import structlog
 from kafka import ConsumerRebalanceListener
 from sqlalchemy.engine import Engine
 
-from ingest.batches import BatchContext, Pending, RawRecord, make_writer
+from ingest.batches import BatchContext, Pending, RawRecord, make_writer, quiet_gc
 from ingest.config import IngestConfig, KafkaConfig
 from ingest.db import transaction
 from ingest.writer import DeadLetter, load_offsets
@@ -257,12 +257,16 @@ class IngestConsumer:
 
         thresholds = gc.get_threshold()
         if self.cfg.gc_threshold:
-            _quiet_gc(self.cfg.gc_threshold)
+            quiet_gc(self.cfg.gc_threshold)
         ctx = BatchContext(
-            self.kafka.group_id, self.kafka.max_message_bytes, self.cfg.retry_initial_s, self.cfg.retry_max_s
+            self.kafka.group_id,
+            self.kafka.max_message_bytes,
+            self.cfg.retry_initial_s,
+            self.cfg.retry_max_s,
+            self.cfg.gc_threshold,
         )
         try:
-            # Before the Kafka clients start their threads: a writer process is forked here.
+            # Before the Kafka clients start their threads: the writer processes start here.
             self._writer = make_writer(self.engine, self.cfg, ctx, self._stop, self._on_db_retry)
             self._open()
         except BaseException:
@@ -433,21 +437,6 @@ def fetch_options(bootstrap: str, kafka: KafkaConfig, ingest: IngestConfig) -> d
         "fetch_max_bytes": 4 * fetch_bytes,
         "receive_message_max_bytes": max(8 * fetch_bytes, 4 * kafka.max_message_bytes, 104857600),
     }
-
-
-def _quiet_gc(young: int) -> None:
-    """Keep the cyclic garbage collector from dominating a batch.
-
-    Every batch allocates tens of thousands of containers (token id lists, rows) that die with
-    it; with Python's default threshold a young collection runs every 700 of them and each older
-    one walks every live object, libraries included. Freezing what exists now (modules, clients,
-    compiled validators) takes those out of every walk, and a larger young threshold makes the
-    walks rarer; nothing is leaked, batch garbage is reference-counted away.
-    """
-    gc.collect()
-    gc.freeze()
-    _, mid, old = gc.get_threshold()
-    gc.set_threshold(young, mid, old)
 
 
 def _log_commit_failure(offsets: Any, response: Any) -> None:

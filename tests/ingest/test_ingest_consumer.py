@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import threading
 import time
 from typing import Any
@@ -226,3 +227,21 @@ def test_each_writer_stores_every_event_once_and_leaves_nothing_running(
         )
     assert stored == len(events)
     assert set(multiprocessing.active_children()) <= before  # the writer process ended with the consumer
+
+
+def test_a_writer_process_that_dies_fails_the_consumer_loudly(engine: Any) -> None:
+    import signal
+
+    from ingest.batches import BatchContext, ProcessWriter
+
+    ctx = BatchContext("g", 1 << 20, 0.05, 0.1)
+    writer = ProcessWriter(engine, ctx, threading.Event(), lambda error, delay: None)
+    record = ("t", 0, 0, None, json.dumps(session_event(1)).encode())
+    assert writer.submit([record], {("t", 0): 1}, None).result() is not None  # both processes work
+    os.kill(writer._preparer.pid, signal.SIGKILL)  # type: ignore[arg-type]
+    writer._preparer.join()
+    with pytest.raises(RuntimeError, match="Restart the consumer"):
+        writer.submit([record], {("t", 0): 2}, None).result()
+    writer._committer.join(10)  # it saw its input end and left
+    assert not writer._committer.is_alive()
+    writer.close()

@@ -173,3 +173,22 @@ def test_concurrent_writers_store_each_event_once(engine: Any) -> None:
     assert sum(r.stored for r in results) == 400
     assert sum(r.duplicates for r in results) == 400
     assert stats(engine)["sessions"] == 200
+
+
+def test_the_duplicate_lookup_is_never_a_cached_generic_plan(engine: Any) -> None:
+    """psycopg prepares a statement from its fifth run; a generic plan for the lookup made while
+    the table was nearly empty would scan the whole table on every later batch."""
+    from sqlalchemy import text
+
+    from ingest.writer import existing_event_ids
+
+    events = [ev(session_event(i)) for i in range(20)]
+    with transaction(engine) as s:
+        write_events(s, events)
+    stored = {events[3].event_id, events[19].event_id}
+    with transaction(engine) as s:
+        for _ in range(8):
+            assert existing_event_ids(s, [*stored, "not-stored"]) == stored
+        if engine.dialect.name == "postgresql":
+            prepared = s.execute(text("SELECT statement FROM pg_prepared_statements")).scalars().all()
+            assert not [q for q in prepared if "SELECT event_id" in q], prepared
