@@ -24,23 +24,31 @@ minus direct latency for the same 1-token request), the bytes each replica pulle
 and for the rollout as a whole (``setup``, ``finish``); ``weights_s`` is prefetch plus apply,
 the weight movement alone, and ``weights_speedup`` its ratio.
 
-What bounds the ratio here: the store's files sit in the page cache, so reading a snapshot costs
-about one memory copy, while a delta must still hash every changed tensor in full (the target
-checksums) and, at 4% of the elements moved, its sparse gathers and writes touch about as many
-cache lines as a dense copy. The delta's advantage is the bytes pulled (``bytes_ratio``), which
-this machine does not charge for.
+Where the store is: by default the replicas read the store's directory (``store``: local
+filesystem). There the files sit in the page cache, so reading a snapshot costs about one memory
+copy, while a delta must still hash every changed tensor in full (the target checksums) and, at
+4% of the elements moved, its sparse gathers and writes touch about as many cache lines as a
+dense copy: the ratio stays near 1, and the delta's advantage, the bytes pulled
+(``bytes_ratio``), goes uncharged. With ``--link-mbit N`` the store is where a fleet's store
+is, across a network: ``undertow weights serve`` runs in its own network namespace behind a
+veth link shaped to N Mbit/s in both directions (:mod:`benchmarks.netlink`; needs root or
+CAP_NET_ADMIN), and every replica pulls over HTTP across it (``link_mbit``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +112,38 @@ class Load:
             t.join(60)
 
 
+@contextlib.contextmanager
+def remote_store(root: Path, mbit: int) -> Iterator[str]:
+    """``root / "store"`` served by ``undertow weights serve`` in a network namespace behind a
+    shaped link (:mod:`benchmarks.netlink`); yields the URL the replicas pull from."""
+    from benchmarks import netlink
+    from ingest.embedded import free_port
+
+    with netlink.shaped_link(mbit) as link:
+        port = free_port()
+        env = {**os.environ, "UNDERTOW_HOME": str(root / "store-home")}
+        cmd = [sys.executable, "-m", "scheduler.cli", "weights", "serve", "--root", str(root / "store")]
+        cmd += ["--host", link.peer_ip, "--port", str(port)]
+        server = subprocess.Popen(link.command(cmd), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        url = f"http://{link.peer_ip}:{port}/"
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                if server.poll() is not None:
+                    raise RuntimeError(f"the store server exited: {server.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
+                try:
+                    httpx.get(url + "-/health", timeout=2).raise_for_status()
+                    break
+                except httpx.HTTPError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
+            yield url
+        finally:
+            server.terminate()
+            server.wait(10)
+
+
 def phase_totals(result: Any) -> dict[str, Any]:
     """Seconds per rollout step, summed over replicas (engine-side phases nested), plus the rollout's own."""
     totals: dict[str, Any] = {"engine_prefetch": {}, "engine_apply": {}}
@@ -133,7 +173,20 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2, help="concurrent load clients")
     parser.add_argument("--preset", default="small", help="policy preset of the served model")
     parser.add_argument("--logs", default=None, help="directory for the engines' logs")
+    parser.add_argument(
+        "--link-mbit",
+        type=int,
+        default=0,
+        help="serve the store across a network link of this many Mbit/s (a network namespace; root or "
+        "CAP_NET_ADMIN); 0: the replicas read the store's directory",
+    )
     args = parser.parse_args()
+    if args.link_mbit:
+        from benchmarks import netlink
+
+        missing = netlink.available()
+        if missing:
+            raise SystemExit(f"--link-mbit needs a network namespace: {missing}. Run without --link-mbit.")
     torch.set_num_threads(2)  # publishing; the engines serve with one thread each
     started = time.perf_counter()
 
@@ -154,9 +207,11 @@ def main() -> None:
         ckpt, n_params = make_checkpoint(root, args.preset)
         store = WeightStore(root / "store", WeightsConfig(zstd_level=3))
         hashes = {"v0": store.put(ckpt, version="v0", full=True).version_hash}
+        stack = contextlib.ExitStack()
+        store_url = stack.enter_context(remote_store(root, args.link_mbit)) if args.link_mbit else str(root / "store")
         # Replicas boot (in parallel) while the next versions are published.
         procs = [
-            EngineProcess(ckpt, "v0", root / "store", log_path=logs / f"engine-{i}.log" if logs else None).start()
+            EngineProcess(ckpt, "v0", store_url, log_path=logs / f"engine-{i}.log" if logs else None).start()
             for i in range(3)
         ]
         try:
@@ -196,6 +251,7 @@ def main() -> None:
         finally:
             for p in procs:
                 p.kill()
+            stack.close()
         manifests = {m.version: m for m in store.manifests()}
     phases = {"delta": phase_totals(delta), "full": phase_totals(full)}
     result = {
@@ -215,7 +271,12 @@ def main() -> None:
         "phases": phases,
         "gate": "none (no metrics source): both kinds would wait the same for a gate's minimum sample",
         "model": f"{args.preset} preset, {n_params} parameters, bf16 in the store, fp32 in the engines",
-        "store": "local filesystem, files in the page cache (no network between store and replicas)",
+        "store": (
+            f"HTTP (undertow weights serve) across a {args.link_mbit} Mbit/s veth link shaped by tc tbf"
+            if args.link_mbit
+            else "local filesystem, files in the page cache (no network between store and replicas)"
+        ),
+        "link_mbit": args.link_mbit or None,
         "total_s": round(time.perf_counter() - started, 1),
         "note": "3 CPU engine replicas, the gateway and the load clients share the machine; single runs are noisy",
     }

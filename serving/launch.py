@@ -25,7 +25,8 @@ class EngineProcess:
 
     checkpoint: Path
     version: str = "v0"
-    store: Path | None = None
+    store: str | Path | None = None
+    """Weight store: a directory or any store URL (``http://host:port/`` from ``undertow weights serve``)."""
     port: int = 0
     log_path: Path | None = None
     threads: int = 1
@@ -97,7 +98,7 @@ class EngineProcess:
 
 
 def start_engines(
-    checkpoint: Path, n: int, *, store: Path | None, version: str = "v0", log_dir: Path | None = None
+    checkpoint: Path, n: int, *, store: str | Path | None, version: str = "v0", log_dir: Path | None = None
 ) -> list[EngineProcess]:
     """Start ``n`` replicas in parallel and wait for all of them."""
     procs = [

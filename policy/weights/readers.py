@@ -18,6 +18,9 @@ from policy.weights.tensors import read_header
 if TYPE_CHECKING:
     from policy.weights.store import WeightStore
 
+_READ_BLOCK = 8 << 20
+"""Bytes per request when a snapshot is read from a remote store."""
+
 
 class DeltaReader:
     """One version's delta: its manifest and checksum-verified per-tensor payloads (range reads)."""
@@ -108,7 +111,9 @@ class FullReader:
         if dtype != meta.dtype or shape != meta.shape:
             raise WeightsError(f"snapshot of {self.manifest.version} disagrees with its manifest on tensor {name}")
         if self._handle is None:
-            self._handle = self.store.fs.open(self.path, "rb")
+            # Tensors are read in file order: a remote store (HTTP, object storage) streams the file in
+            # large sequential requests instead of one request per read (fsspec's default cache for HTTP).
+            self._handle = self.store.fs.open(self.path, "rb", cache_type="readahead", block_size=_READ_BLOCK)
         self._handle.seek(start)
         words = np.empty(meta.numel(), dtype=word_dtype(dtype))
         got = self._handle.readinto(words.view(np.uint8).data) if words.nbytes else 0

@@ -65,7 +65,8 @@ class WeightStore:
     def __init__(self, url: str | Path, config: WeightsConfig | None = None):
         self.config = config or WeightsConfig()
         self.url = str(url)
-        self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        self.fs, root = fsspec.core.url_to_fs(self.url)
+        self.root = root.rstrip("/") or root  # "http://host:port/" and "/" keep one separator
         self._parsed: dict[tuple[str, str], Manifest] = {}
         """Validated manifests by (version, checksum of their bytes): a manifest is read on every
         call, parsed (and its whole-version hash checked) only when its bytes are new. Shared: do not modify."""

@@ -1,4 +1,4 @@
-"""``undertow weights``: list, diff, verify, put and garbage-collect the versioned weight store."""
+"""``undertow weights``: list, diff, verify, put, garbage-collect and serve the versioned weight store."""
 
 from __future__ import annotations
 
@@ -194,6 +194,33 @@ def gc(
         print_json({"dry_run": dry_run, **asdict(plan)})
     else:
         typer.echo(f"kept {plan.keep}; {'would delete' if dry_run else 'deleted'} {plan.delete + plan.incomplete}")
+
+
+@weights_app.command("serve")
+def serve(
+    host: str = typer.Option("127.0.0.1", help="Interface to bind (0.0.0.0 for replicas on other machines)."),
+    port: int = typer.Option(8300, help="Port."),
+    root: Path = typer.Option(None, help="Store directory (default: policy.weights_url under the home)."),
+) -> None:
+    """Serve the store read-only over HTTP; replicas then use http://HOST:PORT/ as their store URL."""
+    import uvicorn
+
+    from scheduler.cli.common import setup
+    from serving.store_server import create_store_app
+
+    settings = setup()
+    if root is None:
+        store = open_store(settings)
+        if store.fs.protocol not in ("file", "local") and "file" not in tuple(store.fs.protocol):
+            raise typer.BadParameter(f"the store {store.url} is not a local directory; serve a directory with --root")
+        root = Path(store.root)
+    try:
+        app = create_store_app(root)
+    except FileNotFoundError as err:
+        typer.echo(str(err), err=True)
+        raise typer.Exit(2) from err
+    typer.echo(f"weight store {root} on http://{host}:{port}/ (read-only)", err=True)
+    uvicorn.run(app, host=host, port=port, log_level=settings.log_level.lower(), access_log=False)
 
 
 def register(app: typer.Typer) -> None:

@@ -38,3 +38,45 @@ def test_weights_cli(tmp_path: Path, checkpoints: list[Path]) -> None:
 def test_hostile_version_ids_are_refused(tmp_path: Path, version: str) -> None:
     result = CliRunner().invoke(app, ["weights", "verify", version, "--json"], env={"UNDERTOW_HOME": str(tmp_path)})
     assert result.exit_code != 0
+
+
+def test_weights_serve_shares_the_store_over_http(tmp_path: Path, checkpoints: list[Path]) -> None:
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from ingest.embedded import free_port
+    from policy.weights import WeightStore
+
+    home = tmp_path / "home"
+    versions = [_run(["put", str(path), "--json"], home)["version"] for path in checkpoints[:2]]
+    port = free_port()
+    env = {**os.environ, "UNDERTOW_HOME": str(home)}
+    cmd = [sys.executable, "-m", "scheduler.cli", "weights", "serve", "--port", str(port)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.communicate()[1]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/-/health").json()["versions"] == 2:
+                    break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "the store server did not start"
+                time.sleep(0.2)
+        remote, local = WeightStore(f"http://127.0.0.1:{port}/"), WeightStore(home / "weights")
+        assert remote.version_ids() == versions
+        assert remote.manifest(versions[1]).version_hash == local.manifest(versions[1]).version_hash
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_weights_serve_refuses_a_directory_that_is_not_a_store(tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        app, ["weights", "serve", "--root", str(tmp_path / "nothing")], env={"UNDERTOW_HOME": str(tmp_path)}
+    )
+    assert result.exit_code == 2 and "not a weight store" in result.output
