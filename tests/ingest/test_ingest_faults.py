@@ -200,9 +200,9 @@ def test_sqlite_locked_mid_stream(
     create_topics(broker.bootstrap, {kafka_cfg.topic: kafka_cfg.partitions, kafka_cfg.dlq_topic: 1})
     events = stream_events(1000, seed=13)
     producer = produce_in_background(broker.bootstrap, kafka_cfg.topic, events, rate=1000)
-    # The retry loop under test is the same for both writers; this one runs it in a thread. (In
-    # full-suite runs, the forked writer of this test twice stored nothing within 60 s, cause not
-    # found; the forked writer's faults are covered by the kill -9 and PostgreSQL tests above.)
+    # The retry loop under test is the same for both writers; this one runs it in a thread, where the
+    # short busy timeout set on this engine's connections applies (the writer processes open their own
+    # engine). The process writer's faults are covered by the kill -9 and PostgreSQL tests above.
     thread_cfg = ingest_cfg.model_copy(update={"writer": "thread"})
     consumer, thread = _run_consumer(engine, broker.bootstrap, kafka_cfg, thread_cfg)
     wait_for(lambda: stored_count(reader) > 0, 60, "first rows")
