@@ -91,3 +91,31 @@ def test_tampered_or_missing_files_over_http_are_refused(versions, tmp_path: Pat
 def test_a_directory_that_is_not_a_store_is_refused(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="not a weight store"):
         create_store_app(tmp_path)
+
+
+def test_an_engine_process_serves_and_updates_from_an_http_store(versions, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+
+    from serving.client import EngineClient
+    from serving.launch import EngineProcess
+
+    with ServerThread(create_store_app(versions.store)) as srv:
+        engine = EngineProcess(versions.checkpoint, "v0", srv.url + "/", log_path=tmp_path / "engine.log").start()
+        try:
+            engine.wait_ready(timeout_s=180)
+
+            async def go() -> None:
+                async with EngineClient(engine.url) as c:
+                    info = await c.weight_info()
+                    assert (info.version, info.hash) == ("v0", versions.hashes["v0"])
+                    pulled = await c.prefetch(PrefetchRequest(to_version="v2", kind="delta"))
+                    assert pulled["steps"] == ["delta:v1", "delta:v2"]
+                    await c.pause()
+                    info = await c.apply(ApplyRequest(to_version="v2", expected_hash=versions.hashes["v2"]))
+                    await c.resume()
+                    assert (info.version, info.hash) == ("v2", versions.hashes["v2"])
+                    assert (await c.completions({"prompt": "def", "max_tokens": 2})).choices
+
+            asyncio.run(go())
+        finally:
+            engine.kill()
