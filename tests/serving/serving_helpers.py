@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -51,3 +52,18 @@ def make_versions(root: Path, preset: str = "tiny", n_versions: int = 3) -> Vers
         hashes[f"v{i}"] = store.put(current, version=f"v{i}", full=True).version_hash
     tensors = {v: store.state_dict(v) for v in hashes}
     return Versions(ckpt, root / "store", hashes, tensors)
+
+
+async def pull_and_switch(client: Any, versions: Versions, to_version: str, kind: str = "auto") -> tuple[dict, Any]:
+    """Prefetch ``to_version`` on a replica, then pause, apply with its expected hash and resume.
+
+    Returns the prefetch answer and the apply result (:class:`serving.protocol.ApplyResult`)."""
+    from serving.protocol import ApplyRequest, PrefetchRequest
+
+    pulled = await client.prefetch(PrefetchRequest(to_version=to_version, kind=kind))
+    await client.pause()
+    try:
+        info = await client.apply(ApplyRequest(to_version=to_version, expected_hash=versions.hashes[to_version]))
+    finally:
+        await client.resume()
+    return pulled, info

@@ -9,6 +9,7 @@ import time
 import httpx
 import numpy as np
 import pytest
+from serving_helpers import pull_and_switch
 
 from ingest.arrays import npy_from_b64
 from serving.client import EngineClient, EngineError
@@ -159,11 +160,8 @@ def test_corrupt_or_wrong_update_is_refused_and_old_weights_keep_serving(one_eng
             info = await c.apply(ApplyRequest(to_version="v0", expected_hash=versions.hashes["v0"]))
             await c.resume()
             assert info.version == "v0"
-            pulled = await c.prefetch(PrefetchRequest(to_version="v2", kind="delta"))
+            pulled, info = await pull_and_switch(c, versions, "v2", kind="delta")
             assert pulled["steps"] == ["delta:v1", "delta:v2"]
-            await c.pause()
-            info = await c.apply(ApplyRequest(to_version="v2", expected_hash=versions.hashes["v2"]))
-            await c.resume()
             assert (info.version, info.hash) == ("v2", versions.hashes["v2"])
             await c.prefetch(PrefetchRequest(to_version="v0", kind="snapshot"))
             await c.pause()

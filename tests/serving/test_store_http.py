@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from serving_helpers import pull_and_switch
 
 from serving.launch import ServerThread
 from serving.params import ModelParams
@@ -108,11 +109,8 @@ def test_an_engine_process_serves_and_updates_from_an_http_store(versions, tmp_p
                 async with EngineClient(engine.url) as c:
                     info = await c.weight_info()
                     assert (info.version, info.hash) == ("v0", versions.hashes["v0"])
-                    pulled = await c.prefetch(PrefetchRequest(to_version="v2", kind="delta"))
+                    pulled, info = await pull_and_switch(c, versions, "v2", kind="delta")
                     assert pulled["steps"] == ["delta:v1", "delta:v2"]
-                    await c.pause()
-                    info = await c.apply(ApplyRequest(to_version="v2", expected_hash=versions.hashes["v2"]))
-                    await c.resume()
                     assert (info.version, info.hash) == ("v2", versions.hashes["v2"])
                     assert (await c.completions({"prompt": "def", "max_tokens": 2})).choices
 
