@@ -19,8 +19,9 @@ The consumer hands each batch to a writer and polls the next one meanwhile. Two 
   process ends and takes them with it (``PR_SET_PDEATHSIG``), and a closed input pipe ends them
   too; after a ``kill -9`` the open transaction rolls back, exactly as in one process. The writer
   reports database retries to the consumer, which logs them.
-- ``thread``: the same work in a thread, where a fork cannot share the database (in-memory
-  SQLite) or is not wanted.
+- ``thread``: the same work in a thread, where other processes cannot share the database
+  (in-memory SQLite) or cannot be started (a daemonic process, such as a pool worker), or are
+  not wanted.
 
 Either way a non-transient database error is raised in the consumer, and a batch that did not
 commit (stopped while the database was away) reports ``None``.
@@ -312,10 +313,11 @@ class ProcessWriter:
 
 
 def make_writer(engine: Engine, cfg: IngestConfig, ctx: BatchContext, stop: threading.Event, on_retry: OnRetry) -> Any:
-    """The configured writer; a thread where a forked process could not share the database."""
+    """The configured writer; a thread where processes cannot share the database (in-memory SQLite)
+    or cannot be started (the consumer runs in a daemonic process, such as a pool worker's)."""
     url = engine.url
     in_memory = url.get_backend_name() == "sqlite" and url.database in (None, "", ":memory:")
-    if cfg.writer == "process" and not in_memory:
+    if cfg.writer == "process" and not in_memory and not multiprocessing.current_process().daemon:
         return ProcessWriter(engine, ctx, stop, on_retry)
     return ThreadWriter(engine, ctx, stop, on_retry)
 

@@ -45,7 +45,7 @@ class IngestConfig(BaseModel):
     """How often an idle consumer checks that its topic still exists (an embedded broker restart empties it)."""
     writer: Literal["process", "thread"] = "process"
     """Who validates and writes a batch while the next one is polled: two processes (one validates, one writes;
-    other cores) or a thread; in-memory SQLite always uses a thread."""
+    other cores) or a thread; in-memory SQLite, and a consumer in a daemonic process, always use a thread."""
     gc_threshold: int = Field(default=50_000, ge=0)
     """While consuming: objects allocated between young garbage collections (Python's default is 700);
     long-lived objects are frozen out of the collector at start (in the writer processes too). 0 leaves the

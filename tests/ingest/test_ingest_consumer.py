@@ -245,3 +245,26 @@ def test_a_writer_process_that_dies_fails_the_consumer_loudly(engine: Any) -> No
     writer._committer.join(10)  # it saw its input end and left
     assert not writer._committer.is_alive()
     writer.close()
+
+
+def _writer_kind_in_this_process(url: str, out: Any) -> None:
+    from ingest.batches import BatchContext, make_writer
+    from ingest.db import make_engine
+
+    writer = make_writer(
+        make_engine(url), IngestConfig(), BatchContext("g", 1 << 20, 0.05, 0.1), threading.Event(), lambda *a: None
+    )
+    out.put(type(writer).__name__)
+    writer.close()
+
+
+def test_a_consumer_in_a_daemonic_process_writes_from_a_thread(sqlite_url: str) -> None:
+    """Daemonic processes (a pool's workers) may not start children: the writer falls back to a thread."""
+    spawn = multiprocessing.get_context("spawn")
+    out = spawn.Queue()
+    for daemon, expected in ((True, "ThreadWriter"), (False, "ProcessWriter")):
+        child = spawn.Process(target=_writer_kind_in_this_process, args=(sqlite_url, out), daemon=daemon)
+        child.start()
+        assert out.get(timeout=60) == expected
+        child.join(30)
+        assert child.exitcode == 0
