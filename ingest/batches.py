@@ -223,7 +223,7 @@ class _ChildPending:
 
 
 class ProcessWriter:
-    """Batches validated by one forked process and written by another (see the module docstring)."""
+    """Batches validated by one writer process and written by another (see the module docstring)."""
 
     depth = 3
     """Batches in flight at most: one committing, one being prepared, one on its way."""

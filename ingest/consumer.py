@@ -18,11 +18,12 @@ Faults:
 - ``SIGTERM``: the batch in hand is finished and committed, then the consumer exits.
 
 Pipelining: batches are validated, written and committed by a writer (:mod:`ingest.batches`: a
-forked process by default, else a thread) while the consumer polls the next ones. The writer
-commits them one at a time, in order, and commits none after a batch that did not commit, so
-stored offsets only ever move forward over rows that are stored; Kafka's commit, the dead-letter
-topic and ``on_commit`` follow each database commit, in order. The process writer takes a second
-batch (it validates and builds its rows while the first commits); the thread writer one. Before
+validating and a writing process by default, else a thread) while the consumer polls the next
+ones. The writer commits them one at a time, in order, and commits none after a batch that did
+not commit, so stored offsets only ever move forward over rows that are stored; Kafka's commit,
+the dead-letter topic and ``on_commit`` follow each database commit, in order. The process
+writer takes up to three batches (one committing, one being validated, one on its way); the
+thread writer one. Before
 any seek (partition assignment, revocation, a new cluster) every batch in flight is finished.
 
 Validation: :func:`ingest.fastpath.fast_parse` (msgspec) first; what it refuses goes through
