@@ -74,8 +74,7 @@ def shutdown() -> None:
     that tears down gloo while a peer is still working, or with handles still alive, can abort
     at exit (``terminate called without an active exception``)."""
     if dist.is_available() and dist.is_initialized():
-        if dist.get_world_size() > 1:
-            dist.barrier()
+        barrier()
         gc.collect()
         dist.destroy_process_group()
 

@@ -350,7 +350,7 @@ class WeightUpdater:
         sparse = {n: u for n, u in staged.updates.items() if u.sparse()}
         dense = {n: u for n, u in staged.updates.items() if n not in sparse}
         with timer("write"):
-            self.live.scatter({n: u.prepared or _scatter_args(u) for n, u in sparse.items()})
+            self.live.scatter({n: _prepared(u) for n, u in sparse.items()})
             self.live.write(
                 {n: from_words(u.target(self.state.held[n]), u.meta.dtype, u.meta.shape) for n, u in dense.items()}
             )
@@ -390,8 +390,7 @@ class WeightUpdater:
         return tensor_meta(live.to(stored)).checksum == update.meta.checksum
 
 
-def _scatter_args(update: Update) -> tuple[torch.Tensor, torch.Tensor]:
-    assert update.positions is not None
-    positions = update.positions
-    values = from_words(update.new_values(), update.meta.dtype, [positions.size])
-    return torch.from_numpy(positions.astype(np.int64, copy=False)), values
+def _prepared(update: Update) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sparse update's positions and live-dtype values, built by ``prefetch`` before the pause."""
+    assert update.prepared is not None, "every staged sparse update is prepared by prefetch"
+    return update.prepared

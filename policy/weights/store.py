@@ -73,6 +73,12 @@ class WeightStore:
         self._heads: dict[tuple[str, str], VersionHead] = {}
         self.fs.makedirs(f"{self.root}/versions", exist_ok=True)
 
+    @property
+    def is_local(self) -> bool:
+        """Whether the store is a directory on this machine (fsspec's local filesystem)."""
+        protocol = self.fs.protocol
+        return protocol in ("file", "local") or "file" in tuple(protocol)
+
     def path(self, version: str, file: str = "") -> str:
         """Path of a version directory or a file in it."""
         base = f"{self.root}/versions/{check_version_id(version)}"
@@ -308,7 +314,7 @@ class WeightStore:
         """Write the manifest last and atomically: a temporary name, then rename (one PUT on object stores)."""
         final = self.path(manifest.version, MANIFEST)
         raw = json.dumps(manifest.model_dump(mode="json"), indent=1).encode()
-        if self.fs.protocol in ("file", "local") or "file" in tuple(self.fs.protocol):
+        if self.is_local:
             tmp = f"{final}.{uuid.uuid4().hex}.tmp"
             with self.fs.open(tmp, "wb") as handle:
                 handle.write(raw)

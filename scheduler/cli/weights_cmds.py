@@ -211,7 +211,7 @@ def serve(
     settings = setup()
     if root is None:
         store = open_store(settings)
-        if store.fs.protocol not in ("file", "local") and "file" not in tuple(store.fs.protocol):
+        if not store.is_local:
             raise typer.BadParameter(f"the store {store.url} is not a local directory; serve a directory with --root")
         root = Path(store.root)
     try:
