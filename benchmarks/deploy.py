@@ -1,38 +1,40 @@
 """Deployment benchmark: roll a new version to 3 CPU engine replicas under loopback load through
 the gateway, with deltas and with full snapshots (the baseline), and measure the gateway's overhead.
 
-Model: the policy's ``small`` preset by default (about 7.6M parameters, 15 MB in bf16; ``--preset
-medium``: about 112M parameters, 224 MB, where moving weights is most of a rollout, in about 60-80 s
-on 2 cores), stored in the project's weight store (``policy.weights``) on the local disk. Each
-rollout moves the fleet by one training-step-like change (4% of the entries of every tensor
-move): delta rollout v0 -> v1 (each replica pulls the delta, checks its base checksums against
-the checksums it verified when it last loaded or applied weights, decodes the changed positions,
-hashes every changed target tensor before the pause without building it, then writes only the
-changed positions during a short pause), full rollout v1 -> v2 (each replica reads the whole
-snapshot and hashes every tensor before the pause, then writes every tensor). Stages: a canary
-of one replica, then half, then all (one replica per stage here); no gate is evaluated (no
-metrics source): the comparison is about moving weights, and a gate's minimum sample would cost
-both kinds the same wait.
+Where the store is: by default where a fleet's store is, across a network. ``undertow weights
+serve`` runs in its own network namespace behind a veth link shaped to 1 Gbit/s in both
+directions (``--link-mbit``, :mod:`benchmarks.netlink`; needs root or CAP_NET_ADMIN, and where
+the machine does not allow it the replicas read the store's directory, said on stderr and in
+``store``), and every replica pulls over HTTP across it. ``--link-mbit 0``: the store's
+directory on the local disk, where snapshot files sit in the page cache and reading one costs
+about a memory copy, so the delta's advantage, the bytes pulled (``bytes_ratio``), goes
+uncharged and the ratio stays near 1.
+
+Model: the policy's ``medium`` preset by default (about 112M parameters, 224 MB per snapshot in
+bf16, where moving weights is most of a rollout; about 50 s in all on 2 cores; ``--preset
+small``: 7.6M parameters, quick), stored in the project's weight store (``policy.weights``).
+Each rollout moves the fleet by one training-step-like change (4% of the entries of every tensor
+move). A round is a delta rollout to an odd version (each replica pulls the delta, checks its
+base checksums against the checksums it verified when it last loaded or applied weights,
+decodes the changed positions, hashes every changed target tensor before the pause without
+building it, then writes only the changed positions during a short pause), then a full rollout
+to the next version (each replica reads the whole snapshot and hashes every tensor before the
+pause, then writes every tensor). By default one round: the first updates after the engines
+start; ``--rounds N`` runs N in a row, reports the last and lists all (``rounds``). Stages: a
+canary of one replica, then half, then all (one replica per stage here), every replica pulling
+ahead when the rollout starts; no gate is evaluated (no metrics source): the comparison is about
+moving weights, and a gate's minimum sample would cost both kinds the same wait.
 
 Fields: ``delta_rollout_s``, ``full_rollout_s``, ``speedup`` (full / delta), ``max_pause_ms``
 (longest pause of a replica in the delta rollout), ``failed_requests`` (user requests through
-the gateway that failed during both rollouts), ``gateway_overhead_ms_p50`` (p50 of gateway
+the gateway that failed during all rollouts), ``gateway_overhead_ms_p50`` (p50 of gateway
 minus direct latency for the same 1-token request), the bytes each replica pulled, and
 ``phases``: per kind, seconds summed over the 3 replicas for each step of the rollout
 (``prefetch``: the pull RPC, with the engine's own split in ``engine_prefetch``; ``registry``;
 ``drain``: pausing until running requests finish; ``apply`` with ``engine_apply``; ``resume``)
 and for the rollout as a whole (``setup``, ``finish``); ``weights_s`` is prefetch plus apply,
-the weight movement alone, and ``weights_speedup`` its ratio.
-
-Where the store is: by default the replicas read the store's directory (``store``: local
-filesystem). There the files sit in the page cache, so reading a snapshot costs about one memory
-copy, while a delta must still hash every changed tensor in full (the target checksums) and, at
-4% of the elements moved, its sparse gathers and writes touch about as many cache lines as a
-dense copy: the ratio stays near 1, and the delta's advantage, the bytes pulled
-(``bytes_ratio``), goes uncharged. With ``--link-mbit N`` the store is where a fleet's store
-is, across a network: ``undertow weights serve`` runs in its own network namespace behind a
-veth link shaped to N Mbit/s in both directions (:mod:`benchmarks.netlink`; needs root or
-CAP_NET_ADMIN), and every replica pulls over HTTP across it (``link_mbit``).
+summed over replicas (the pulls overlap, so it exceeds the rollout's time), and
+``weights_speedup`` its ratio.
 """
 
 from __future__ import annotations
@@ -56,6 +58,10 @@ import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+DEFAULT_LINK_MBIT = 1000
+"""The store's link to the replicas by default: 1 Gbit/s, a common per-host share of a storage network."""
 
 
 def training_step(tensors: dict[str, torch.Tensor], seed: int, frac: float = 0.04) -> dict[str, torch.Tensor]:
@@ -171,22 +177,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     parser.add_argument("--workers", type=int, default=2, help="concurrent load clients")
-    parser.add_argument("--preset", default="small", help="policy preset of the served model")
+    parser.add_argument("--preset", default="medium", help="policy preset of the served model (small: quick)")
     parser.add_argument("--logs", default=None, help="directory for the engines' logs")
     parser.add_argument(
         "--link-mbit",
         type=int,
-        default=0,
+        default=None,
         help="serve the store across a network link of this many Mbit/s (a network namespace; root or "
-        "CAP_NET_ADMIN); 0: the replicas read the store's directory",
+        f"CAP_NET_ADMIN; default {DEFAULT_LINK_MBIT} where the machine allows it); 0: the replicas read the "
+        "store's directory",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="pairs of rollouts (delta, then snapshot) in a row; the last pair is reported, all are listed",
     )
     args = parser.parse_args()
-    if args.link_mbit:
-        from benchmarks import netlink
+    from benchmarks import netlink
 
-        missing = netlink.available()
+    missing = netlink.available()
+    if args.link_mbit is None:
+        args.link_mbit = 0 if missing else DEFAULT_LINK_MBIT
         if missing:
-            raise SystemExit(f"--link-mbit needs a network namespace: {missing}. Run without --link-mbit.")
+            print(f"no network namespace here ({missing}): the replicas read the store's directory", file=sys.stderr)
+    elif args.link_mbit and missing:
+        raise SystemExit(f"--link-mbit needs a network namespace: {missing}. Run with --link-mbit 0.")
     torch.set_num_threads(2)  # publishing; the engines serve with one thread each
     started = time.perf_counter()
 
@@ -202,6 +218,7 @@ def main() -> None:
     from serving.launch import EngineProcess, ServerThread
 
     logs = Path(args.logs) if args.logs else None
+    rounds: list[tuple[Any, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         ckpt, n_params = make_checkpoint(root, args.preset)
@@ -216,9 +233,10 @@ def main() -> None:
         ]
         try:
             current = load_file(str(ckpt / "model.safetensors"))
-            for i in (1, 2):
+            for i in range(1, 2 * args.rounds + 1):
                 current = training_step(current, seed=i)
-                hashes[f"v{i}"] = store.put(current, version=f"v{i}", full=True).version_hash
+                # A snapshot where a full rollout goes (even versions); every version has its delta.
+                hashes[f"v{i}"] = store.put(current, version=f"v{i}", full=i % 2 == 0).version_hash
             del current
             for p in procs:
                 p.wait_ready(timeout_s=300)
@@ -245,14 +263,19 @@ def main() -> None:
                 overhead = statistics.median(via) - statistics.median(direct)
                 with Load(srv.url, args.workers) as load:
                     time.sleep(0.3)
-                    delta = asyncio.run(rollout(db, "v1", hashes["v1"], cfg, kind="delta"))
-                    full = asyncio.run(rollout(db, "v2", hashes["v2"], cfg, kind="snapshot"))
+                    for r in range(args.rounds):
+                        odd, even = f"v{2 * r + 1}", f"v{2 * r + 2}"
+                        delta = asyncio.run(rollout(db, odd, hashes[odd], cfg, kind="delta"))
+                        full = asyncio.run(rollout(db, even, hashes[even], cfg, kind="snapshot"))
+                        rounds.append((delta, full))
                     time.sleep(0.2)
         finally:
             for p in procs:
                 p.kill()
             stack.close()
         manifests = {m.version: m for m in store.manifests()}
+    delta, full = rounds[-1]
+    last = 2 * args.rounds
     phases = {"delta": phase_totals(delta), "full": phase_totals(full)}
     result = {
         "delta_rollout_s": round(delta.seconds, 3),
@@ -263,11 +286,20 @@ def main() -> None:
         "max_pause_ms_full": round(max(full.pause_ms.values()), 1),
         "delta_bytes_per_replica": max(delta.pulled_bytes.values()),
         "snapshot_bytes_per_replica": max(full.pulled_bytes.values()),
-        "bytes_ratio": round(manifests["v2"].full.bytes / manifests["v1"].delta.bytes, 1),  # type: ignore[union-attr]
+        "bytes_ratio": round(manifests[f"v{last}"].full.bytes / manifests[f"v{last - 1}"].delta.bytes, 1),  # type: ignore[union-attr]
         "failed_requests": load.failed,
         "served_requests": load.ok,
         "gateway_overhead_ms_p50": round(overhead, 2),
-        "statuses": [delta.status, full.status],
+        "statuses": [r.status for pair in rounds for r in pair],
+        "rounds": [
+            {
+                "delta_rollout_s": round(d.seconds, 3),
+                "full_rollout_s": round(f.seconds, 3),
+                "speedup": round(f.seconds / d.seconds, 2),
+                "max_pause_ms": round(max(d.pause_ms.values()), 1),
+            }
+            for d, f in rounds
+        ],
         "phases": phases,
         "gate": "none (no metrics source): both kinds would wait the same for a gate's minimum sample",
         "model": f"{args.preset} preset, {n_params} parameters, bf16 in the store, fp32 in the engines",

@@ -137,11 +137,16 @@ def save_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
 
 
 def load_checkpoint(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load any local Hugging Face MoE checkpoint directory as float32, eval mode, eager kernels."""
+    """Load any local Hugging Face MoE checkpoint directory as float32, eval mode, eager kernels, in
+    memory of its own (not a mapping of the checkpoint's files)."""
     p = Path(path)
     if not (p / "config.json").exists():
         raise FileNotFoundError(f"{p} is not a Hugging Face checkpoint (no config.json); train or download one first")
     model = AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32, attn_implementation="eager")
+    # Loaded tensors may map the safetensors file copy-on-write: the first in-place write (an
+    # optimizer step, a serving engine's weight update) would then fault in every page it touches,
+    # inside the engine's pause. Own the memory now, at load.
+    model._apply(torch.clone)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(p)
     return model, tokenizer

@@ -24,6 +24,10 @@ class EngineConfig(BaseModel):
     """Largest ``n`` (parallel samples) a request may ask for."""
     threads: int = Field(default=1, ge=1)
     """torch intra-op threads of the engine process."""
+    reserve_update_memory: bool = True
+    """At start, keep freed memory for reuse and pre-touch a snapshot's worth of staging memory on the
+    weight-update thread, so no update (the first included) faults its staging pages in (glibc only;
+    resident memory stays at its peak, see ``serving.memory``)."""
 
 
 class GatewayConfig(BaseModel):
@@ -81,6 +85,11 @@ class DeployConfig(BaseModel):
     """Largest allowed drop of the acceptance proxy (accepts over accepts plus rejects)."""
     pause_timeout_s: float = Field(default=60.0, gt=0)
     """Longest a replica may take to drain in-flight requests when paused."""
+    prefetch_ahead: bool = True
+    """Pull the update to every replica of the pool when the rollout starts (serving continues), so
+    later stages pull while the canary is moved and judged; off: each stage pulls when it starts."""
+    prefetch_concurrency: int = Field(default=8, ge=1)
+    """Most replicas pulling from the store at once."""
     stale_after_s: float = Field(default=120.0, gt=0)
     """A running deployment whose deployer has not beaten for this long crashed: it is failed and reconciled."""
 

@@ -3,6 +3,10 @@
 Per replica: pull the update while it still serves (``undertow_prefetch``; a delta from the
 version it serves when the store has one, else the full snapshot), mark it ``updating``, pause
 it (new requests are held, running ones finish), apply with the hash check, resume, record.
+Pulls start for the whole pool when the rollout starts (``prefetch_ahead``, at most
+``prefetch_concurrency`` at a time), so later stages pull while the canary is moved and judged
+and a stage waits only for pulls not finished yet; replicas a failed rollout never moved drop
+what they staged.
 The canary stage updates ``canary_replicas``; each following stage brings the fleet up to a
 fraction in ``stages``. After every stage the gate compares the new version's online metrics
 (error rate, p50 latency, acceptance proxy) with the current version's, once the new version
@@ -226,52 +230,59 @@ async def rollout(
     updated: list[fleet.Replica] = []
     done = 0
     failure = ""
-    for idx, size in enumerate(stage_sizes(len(replicas), config)):
-        batch = replicas[done:size]
-        name = "canary" if idx == 0 else f"stage-{idx}"
-        stage = {"name": name, "replicas": [r.id for r in batch], "outcome": "running", "started_at": _now()}
-
-        current = "prefetch"
-
-        # Pull to every replica of the stage before any of them pauses (one connection per replica).
-        async def pull(rep: fleet.Replica, client: EngineClient) -> dict[str, Any]:
-            begin = time.perf_counter()
-            pulled = await client.prefetch(
-                PrefetchRequest(to_version=to_version, from_version=rep.version, kind=kind)  # type: ignore[arg-type]
-            )
-            result.phases[rep.id] = {"prefetch": time.perf_counter() - begin, "engine_prefetch": pulled.get("timings")}
-            return pulled
-
-        _beat(db, dep_id)
-        async with contextlib.AsyncExitStack() as stack:
-            clients = [await stack.enter_async_context(EngineClient(r.url)) for r in batch]
-            try:
-                pulls = await asyncio.gather(*(pull(r, c) for r, c in zip(batch, clients, strict=True)))
-                for rep, pulled, client in zip(batch, pulls, clients, strict=True):
-                    current = rep.id
-                    times = result.phases[rep.id]
-                    nbytes, pause_ms = await _move(
-                        db, rep, to_version, to_hash, kind, config, pulled, client=client, timings=times
+    async with contextlib.AsyncExitStack() as stack:
+        clients = {r.id: await stack.enter_async_context(EngineClient(r.url)) for r in replicas}
+        pulls = _Pulls(to_version, kind, config.prefetch_concurrency, clients, result)
+        if config.prefetch_ahead:
+            pulls.start(replicas)
+        try:
+            for idx, size in enumerate(stage_sizes(len(replicas), config)):
+                batch = replicas[done:size]
+                name = "canary" if idx == 0 else f"stage-{idx}"
+                stage = {"name": name, "replicas": [r.id for r in batch], "outcome": "running", "started_at": _now()}
+                # Every replica of the stage has pulled before any of them pauses.
+                pulls.start(batch)
+                _beat(db, dep_id)
+                current = "prefetch"
+                try:
+                    pulled = {r.id: await pulls.wait(r) for r in batch}
+                    for rep in batch:
+                        current = rep.id
+                        nbytes, pause_ms = await _move(
+                            db,
+                            rep,
+                            to_version,
+                            to_hash,
+                            kind,
+                            config,
+                            pulled[rep.id],
+                            client=clients[rep.id],
+                            timings=result.phases[rep.id],
+                        )
+                        updated.append(rep)
+                        _beat(db, dep_id)
+                        result.pause_ms[rep.id], result.pulled_bytes[rep.id] = pause_ms, nbytes
+                except EngineError as exc:
+                    stage["outcome"], failure = "error", f"{name}: update of {current} failed: {exc.message}"
+                if not failure and metrics is not None:
+                    begin = time.perf_counter()
+                    ok, why, observed = await _wait_gate(
+                        metrics, to_version, old_version, config, lambda: _beat(db, dep_id)
                     )
-                    updated.append(rep)
-                    _beat(db, dep_id)
-                    result.pause_ms[rep.id], result.pulled_bytes[rep.id] = pause_ms, nbytes
-            except EngineError as exc:
-                stage["outcome"], failure = "error", f"{name}: update of {current} failed: {exc.message}"
-        if not failure and metrics is not None:
-            begin = time.perf_counter()
-            ok, why, observed = await _wait_gate(metrics, to_version, old_version, config, lambda: _beat(db, dep_id))
-            overall["gate"] += time.perf_counter() - begin
-            stage["metrics"] = observed
-            if not ok:
-                stage["outcome"], failure = "failed", f"{name}: gate failed: {why}"
-        if not failure:
-            stage["outcome"] = "passed"
-        stage["finished_at"] = _now()
-        result.stages.append(stage)
-        done = size
-        if failure:
-            break
+                    overall["gate"] += time.perf_counter() - begin
+                    stage["metrics"] = observed
+                    if not ok:
+                        stage["outcome"], failure = "failed", f"{name}: gate failed: {why}"
+                if not failure:
+                    stage["outcome"] = "passed"
+                stage["finished_at"] = _now()
+                result.stages.append(stage)
+                done = size
+                if failure:
+                    break
+        finally:
+            # Replicas that pulled ahead but were not moved drop what they staged.
+            await pulls.abandon({r.id for r in updated})
     if failure:
         log.warning("deploy.rollback", deployment=dep_id, reason=failure)
         for rep in updated:
@@ -291,6 +302,51 @@ async def rollout(
     result.seconds = time.perf_counter() - start
     log.info("deploy.finished", deployment=dep_id, status=result.status, seconds=round(result.seconds, 3))
     return result
+
+
+class _Pulls:
+    """The rollout's pulls: one task per replica, at most ``limit`` at a time, started ahead of its stage."""
+
+    def __init__(
+        self, version: str, kind: str, limit: int, clients: dict[str, EngineClient], result: RolloutResult
+    ) -> None:
+        self.version, self.kind, self.clients, self.result = version, kind, clients, result
+        self.slots = asyncio.Semaphore(limit)
+        self.tasks: dict[str, asyncio.Task[dict[str, Any]]] = {}
+
+    def start(self, replicas: list[fleet.Replica]) -> None:
+        """Start pulling to each replica not pulling yet (serving continues on all of them)."""
+        for rep in replicas:
+            if rep.id not in self.tasks:
+                self.tasks[rep.id] = asyncio.create_task(self._pull(rep))
+
+    async def _pull(self, rep: fleet.Replica) -> dict[str, Any]:
+        async with self.slots:
+            begin = time.perf_counter()
+            request = PrefetchRequest(to_version=self.version, from_version=rep.version, kind=self.kind)  # type: ignore[arg-type]
+            pulled = await self.clients[rep.id].prefetch(request)
+            self.result.phases[rep.id] = {
+                "prefetch": time.perf_counter() - begin,
+                "engine_prefetch": pulled.get("timings"),
+            }
+            return pulled
+
+    async def wait(self, rep: fleet.Replica) -> dict[str, Any]:
+        """What ``rep`` pulled (raises its pull's :class:`EngineError`)."""
+        return await self.tasks[rep.id]
+
+    async def abandon(self, moved: set[str]) -> None:
+        """Stop pulls still running and make replicas that were not moved discard what they staged."""
+        for task in self.tasks.values():
+            task.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        for rep_id, task in self.tasks.items():
+            if rep_id in moved or task.cancelled() or task.exception() is not None:
+                continue
+            try:
+                await self.clients[rep_id].discard()
+            except EngineError as exc:  # it keeps serving its version; its next prefetch replaces what it staged
+                log.warning("deploy.discard_failed", replica=rep_id, error=exc.message)
 
 
 def _record(db: Engine, dep_id: int, result: RolloutResult) -> None:

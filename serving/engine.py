@@ -19,7 +19,9 @@ import base64
 import io
 import time
 import uuid
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import numpy as np
 import structlog
@@ -28,6 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from serving.config import EngineConfig
+from serving.memory import reserve, retain_freed_memory
 from serving.protocol import (
     ApplyRequest,
     CompletionChoice,
@@ -42,6 +45,7 @@ from serving.runner import ModelRunner, Sample
 from serving.weights import WeightUpdater
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 
 def openai_error(status: int, message: str, kind: str = "BadRequestError") -> JSONResponse:
@@ -115,6 +119,15 @@ def create_engine_app(runner: ModelRunner, updater: WeightUpdater, config: Engin
     app = FastAPI(title="Undertow CPU engine", docs_url=None, redoc_url=None)
     state = EngineState()
     app.state.engine = state
+    # Weight calls run one at a time on a thread of their own: a prefetch, an apply and a discard
+    # never interleave, and the staging buffers stay in one allocator arena that later updates
+    # reuse (generation threads would otherwise scatter them over arenas of their own, and every
+    # update would fault fresh pages in).
+    weights_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="undertow-weights")
+    app.state.weights_thread = weights_thread
+
+    async def on_weights_thread(fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(weights_thread, fn)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -229,15 +242,17 @@ def create_engine_app(runner: ModelRunner, updater: WeightUpdater, config: Engin
             if rpc.method == "undertow_weight_info":
                 result: Any = updater.info().model_dump()
             elif rpc.method == "undertow_prefetch":
-                result = await asyncio.to_thread(updater.prefetch, PrefetchRequest(**rpc.kwargs))
+                request = PrefetchRequest(**rpc.kwargs)
+                result = await on_weights_thread(lambda: updater.prefetch(request))
             elif rpc.method == "undertow_apply":
                 if state.running.is_set() or state.inflight:
                     return openai_error(
                         409, "pause the engine (POST /pause?wait_for_inflight_requests=true) before applying weights"
                     )
-                result = (await asyncio.to_thread(updater.apply, ApplyRequest(**rpc.kwargs))).model_dump()
+                applying = ApplyRequest(**rpc.kwargs)
+                result = (await on_weights_thread(lambda: updater.apply(applying))).model_dump()
             elif rpc.method == "undertow_discard":
-                updater.discard()
+                await on_weights_thread(updater.discard)
                 result = updater.info().model_dump()
             else:
                 return openai_error(
@@ -258,5 +273,9 @@ def serve(checkpoint: str, version: str, store_url: str | None, config: EngineCo
     runner = ModelRunner(checkpoint, threads=config.threads)
     updater = WeightUpdater.for_runner(runner, version=version, store_url=store_url)
     app = create_engine_app(runner, updater, config)
+    if config.reserve_update_memory and retain_freed_memory():
+        touched = app.state.weights_thread.submit(reserve, updater.state.nbytes).result()
+        app.state.weights_thread.submit(updater.warm_up).result()
+        log.info("engine.update_memory_reserved", mb=touched >> 20)
     log.info("engine.ready", host=config.host, port=config.port, version=version, hash=updater.hash)
     uvicorn.run(app, host=config.host, port=config.port, log_level="warning", access_log=False)

@@ -47,8 +47,8 @@ import torch
 
 from policy.weights import DeltaReader, WeightsError, WeightStore, plan
 from policy.weights.changes import checksum_changed, materialize
-from policy.weights.format import Manifest, TensorMeta, checksum, from_words, version_hash
-from serving.params import DictParams, LiveParams, ModelParams, Tensors
+from policy.weights.format import Manifest, TensorMeta, checksum, from_words, to_words, version_hash
+from serving.params import DictParams, LiveParams, ModelParams, Tensors, scatter_into
 from serving.protocol import ApplyRequest, ApplyResult, PrefetchRequest, WeightInfo
 from serving.staged import UNDO_MAX_FRACTION, Staged, Undo, Update
 from serving.verified import Timer, VerifiedState, exact_cast, tensor_meta
@@ -113,6 +113,19 @@ class WeightUpdater:
     def info(self) -> WeightInfo:
         """The version and hash served now, and what is staged."""
         return WeightInfo(version=self.version, hash=self.hash, staged=self.staged.to_version if self.staged else None)
+
+    def warm_up(self) -> None:
+        """Run what an update runs once, small, on the calling thread (the engine's weight thread, at
+        start): the store's listing and the versions' heads, and the casts and scatters, whose first
+        call on a thread costs more than the update itself."""
+        if self.store is not None:
+            self.store.heads()
+        for name in self.live.names():
+            live = self.live.get(name)
+            words = to_words(live.reshape(-1)[:64].to(getattr(torch, self.state.table[name].dtype)))
+            values = from_words(words, self.state.table[name].dtype, [words.size]).to(live.dtype)
+            scatter_into(values.clone(), torch.arange(values.numel()), values)
+            break
 
     def _require_store(self) -> WeightStore:
         if self.store is None:

@@ -10,10 +10,22 @@ building, hashing and copying a whole new tensor.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
 import xxhash
+
+_local = threading.local()
+
+
+def _scratch(size: int, dtype: np.dtype) -> np.ndarray:
+    """A ``size``-element buffer of ``dtype``, reused by later calls on this thread (not one per tensor)."""
+    nbytes = size * np.dtype(dtype).itemsize
+    raw: np.ndarray | None = getattr(_local, "buffer", None)
+    if raw is None or raw.nbytes < nbytes:
+        raw = _local.buffer = np.empty(nbytes, dtype=np.uint8)
+    return raw[:nbytes].view(dtype)
 
 
 @dataclass(frozen=True)
@@ -59,7 +71,7 @@ def checksum_changed(base: np.ndarray, positions: np.ndarray, words: np.ndarray,
     if not positions.size:
         hasher.update(np.ascontiguousarray(base).view(np.uint8).data)
         return hasher.hexdigest()
-    buf = np.empty(min(chunk, base.size), dtype=base.dtype)
+    buf = _scratch(min(chunk, base.size), base.dtype)
     cuts = np.searchsorted(positions, np.arange(chunk, base.size, chunk)).tolist()
     cuts.append(positions.size)
     lo = 0

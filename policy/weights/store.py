@@ -70,7 +70,9 @@ class WeightStore:
         self._parsed: dict[tuple[str, str], Manifest] = {}
         """Validated manifests by (version, checksum of their bytes): a manifest is read on every
         call, parsed (and its whole-version hash checked) only when its bytes are new. Shared: do not modify."""
-        self._heads: dict[tuple[str, str], VersionHead] = {}
+        self._heads: dict[str, VersionHead] = {}
+        """Planning heads by version id: a complete version never changes (its manifest is written
+        last, once), so each is read once; ids gone from the listing are forgotten."""
         self.fs.makedirs(f"{self.root}/versions", exist_ok=True)
 
     @property
@@ -88,11 +90,9 @@ class WeightStore:
 
     def manifest(self, version: str) -> Manifest:
         """The validated manifest of a complete version."""
-        path = self.path(version, MANIFEST)
-        if not self.fs.exists(path):
+        raw = self._manifest_bytes(version)
+        if raw is None:
             raise WeightsError(f"version {version} is not in the store (or its write never completed)")
-        with self.fs.open(path, "rb") as handle:
-            raw = handle.read()
         key = (version, checksum(raw))
         manifest = self._parsed.get(key)
         if manifest is None:
@@ -101,26 +101,34 @@ class WeightStore:
             manifest = self._parsed[key] = parse_manifest(raw, version)
         return manifest
 
+    def _manifest_bytes(self, version: str) -> bytes | None:
+        """A version's manifest, or None while it has none (one read: no existence check first)."""
+        try:
+            with self.fs.open(self.path(version, MANIFEST), "rb") as handle:
+                raw: bytes = handle.read()
+        except FileNotFoundError:
+            return None
+        return raw
+
     def heads(self) -> list[VersionHead]:
-        """What planning needs of every complete version, oldest first (cheap: no tensor table is validated)."""
+        """What planning needs of every complete version, oldest first (cheap: a listing, and a read of
+        each version not seen before; no tensor table is validated). The artifacts a plan picks are
+        read through :meth:`manifest`, which validates them."""
+        ids = self.version_ids()
+        for gone in set(self._heads) - set(ids):
+            del self._heads[gone]
         out = []
-        for version in self.version_ids():
-            path = self.path(version, MANIFEST)
-            if not self.fs.exists(path):
-                continue
-            with self.fs.open(path, "rb") as handle:
-                raw = handle.read()
-            key = (version, checksum(raw))
-            head = self._heads.get(key)
+        for version in ids:
+            head = self._heads.get(version)
             if head is None:
+                raw = self._manifest_bytes(version)
+                if raw is None:
+                    continue
                 try:
-                    head = parse_head(raw, version)
+                    head = self._heads[version] = parse_head(raw, version)
                 except WeightsError as err:
                     log.warning("weights.manifest_unreadable", version=version, error=str(err))
                     continue
-                if len(self._heads) >= _PARSED_MAX:
-                    self._heads.clear()
-                self._heads[key] = head
             out.append(head)
         return sorted(out, key=lambda h: h.seq)
 

@@ -100,8 +100,19 @@ def test_full_rollout_under_load_fails_no_request(registry, versions) -> None:  
     assert "v1" in gw.metrics()["versions"]
 
 
-def test_failed_gate_rolls_back(registry, versions) -> None:  # type: ignore[no-untyped-def]
-    cfg = DeployConfig(canary_replicas=1, gate_min_requests=5, gate_max_wait_s=1.0)
+async def _staged(engines) -> list[str | None]:  # type: ignore[no-untyped-def]
+    from serving.client import EngineClient
+
+    out = []
+    for engine in engines:
+        async with EngineClient(engine.url) as client:
+            out.append((await client.weight_info()).staged)
+    return out
+
+
+@pytest.mark.parametrize("ahead", [True, False], ids=["pull-ahead", "pull-per-stage"])
+def test_failed_gate_rolls_back(registry, versions, three, ahead: bool) -> None:  # type: ignore[no-untyped-def]
+    cfg = DeployConfig(canary_replicas=1, gate_min_requests=5, gate_max_wait_s=1.0, prefetch_ahead=ahead)
 
     async def bad_metrics():  # type: ignore[no-untyped-def]
         return {
@@ -113,6 +124,11 @@ def test_failed_gate_rolls_back(registry, versions) -> None:  # type: ignore[no-
 
     result = asyncio.run(rollout(registry, "v1", versions.hashes["v1"], cfg, metrics=bad_metrics))
     assert result.status == "rolled_back" and "error rate" in result.message
+    # Pulling ahead, every replica pulled while the canary was judged, and those never moved dropped
+    # what they staged; pulling per stage, only the canary pulled.
+    assert set(result.phases) - {"rollout"} == ({"r0", "r1", "r2"} if ahead else {"r0"})
+    assert set(result.pause_ms) == {"r0"}
+    assert asyncio.run(_staged(three)) == [None, None, None]
     reps = asyncio.run(fleet.check_fleet(registry, FLEET))
     assert {(r.version, r.health) for r in reps} == {("v0", "ok")}
     assert fleet.get_target(registry).version == "v0"  # type: ignore[union-attr]

@@ -89,6 +89,33 @@ def test_tampered_or_missing_files_over_http_are_refused(versions, tmp_path: Pat
         assert updater.hash == versions.hashes["v1"]
 
 
+def test_planning_over_http_reads_each_version_once_and_sees_versions_come_and_go(  # type: ignore[no-untyped-def]
+    versions, tmp_path: Path
+) -> None:
+    from policy.weights import WeightStore
+
+    store = tmp_path / "store"
+    shutil.copytree(versions.store, store)
+    (store / "versions" / "v3").mkdir()  # a write in progress: no manifest yet
+    with ServerThread(create_store_app(store)) as srv:
+        remote = WeightStore(srv.url + "/")
+        assert [h.version for h in remote.heads()] == ["v0", "v1", "v2"]
+        reads: list[str] = []
+        real_open = remote.fs.open
+
+        def counting_open(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+            reads.append(str(path))
+            return real_open(path, *args, **kwargs)
+
+        remote.fs.open = counting_open  # type: ignore[method-assign]
+        assert [h.version for h in remote.heads()] == ["v0", "v1", "v2"]
+        assert reads == [remote.path("v3", "manifest.json")]  # only the incomplete one is looked at again
+        shutil.copy(store / "versions" / "v2" / "manifest.json", store / "versions" / "v3" / "manifest.json")
+        shutil.rmtree(store / "versions" / "v0")
+        # v3's manifest names v2 (the copy): the head is read, its id checked, and it is skipped.
+        assert [h.version for h in remote.heads()] == ["v1", "v2"]
+
+
 def test_a_directory_that_is_not_a_store_is_refused(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="not a weight store"):
         create_store_app(tmp_path)

@@ -32,6 +32,10 @@ def test_updates_write_fused_experts_in_place_and_undo_reverts(engine_model, ver
     assert updater.hash == versions.hashes["v0"]
     gate_up = engine_model.model.layers[1].mlp.experts.gate_up_proj
     pointer = gate_up.data_ptr()
+    before = {name: tensor.clone() for name, tensor in engine_model.state_dict().items()}
+    updater.warm_up()  # what the engine runs at start: it writes nothing the replica serves
+    assert updater.state.refresh() == [] and updater.hash == versions.hashes["v0"]
+    assert all(torch.equal(tensor, before[name]) for name, tensor in engine_model.state_dict().items())
 
     pulled = updater.prefetch(PrefetchRequest(to_version="v2", kind="delta"))
     assert pulled["steps"] == ["delta:v1", "delta:v2"] and updater.version == "v0"
