@@ -174,6 +174,8 @@ def _rounded(obj: Any) -> Any:
 
 
 def main() -> None:
+    from serving.config import DeployConfig
+
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     parser.add_argument("--workers", type=int, default=2, help="concurrent load clients")
@@ -186,6 +188,12 @@ def main() -> None:
         help="serve the store across a network link of this many Mbit/s (a network namespace; root or "
         f"CAP_NET_ADMIN; default {DEFAULT_LINK_MBIT} where the machine allows it); 0: the replicas read the "
         "store's directory",
+    )
+    parser.add_argument(
+        "--pulls",
+        type=int,
+        default=DeployConfig().prefetch_concurrency,
+        help="replicas pulling at once (serving.deploy.prefetch_concurrency)",
     )
     parser.add_argument(
         "--rounds",
@@ -212,7 +220,7 @@ def main() -> None:
     from policy.config import WeightsConfig
     from policy.weights import WeightStore
     from serving import fleet
-    from serving.config import DeployConfig, FleetConfig, GatewayConfig
+    from serving.config import FleetConfig, GatewayConfig
     from serving.deploy import rollout
     from serving.gateway import Gateway, create_gateway_app, registry_source
     from serving.launch import EngineProcess, ServerThread
@@ -248,7 +256,7 @@ def main() -> None:
             fleet.set_target(db, "v0", hashes["v0"])
             asyncio.run(fleet.check_fleet(db, FleetConfig(unhealthy_after=1)))
             gw = Gateway(registry_source(db, "default", 0.2), None, GatewayConfig(), "undertow-policy")
-            cfg = DeployConfig(canary_replicas=1, stages=[0.5, 1.0])
+            cfg = DeployConfig(canary_replicas=1, stages=[0.5, 1.0], prefetch_concurrency=args.pulls)
             with ServerThread(create_gateway_app(gw)) as srv:
                 body = {"prompt": "def", "max_tokens": 1, "temperature": 0}
                 direct, via = [], []

@@ -251,6 +251,7 @@ def create_engine_app(runner: ModelRunner, updater: WeightUpdater, config: Engin
                     )
                 applying = ApplyRequest(**rpc.kwargs)
                 result = (await on_weights_thread(lambda: updater.apply(applying))).model_dump()
+                weights_thread.submit(updater.settle)  # after the answer: the pause ends without it
             elif rpc.method == "undertow_discard":
                 await on_weights_thread(updater.discard)
                 result = updater.info().model_dump()

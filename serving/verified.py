@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import structlog
@@ -161,10 +162,19 @@ class VerifiedState:
             self.lock.release()
 
     def commit(
-        self, written: dict[str, tuple[TensorMeta, np.ndarray | None, np.ndarray | None, np.ndarray | None]]
-    ) -> None:
+        self,
+        written: dict[str, tuple[TensorMeta, np.ndarray | None, np.ndarray | None, np.ndarray | None]],
+        *,
+        defer: bool = False,
+    ) -> Callable[[], None] | None:
         """Record what an update wrote: per tensor its verified checksum, and its whole new words, or
-        (sparse) the positions written and their words."""
+        (sparse) the positions written and their words.
+
+        ``defer``: the checksums and stamps are recorded now, the sparse words are written into the
+        held bits by the returned callable (run it, under no other lock, before the held bits are
+        next read: the updater does before its next call), so an engine's pause need not wait for them.
+        """
+        scatters = []
         for name, (meta, words, positions, values) in written.items():
             tensor = self.live.get(name)
             if _is_view(tensor, meta.dtype):
@@ -175,10 +185,20 @@ class VerifiedState:
                 self.views.discard(name)
             else:
                 assert positions is not None and values is not None
-                self.held[name][positions] = values
+                scatters.append((name, positions, values))
             self.table[name] = meta
             self.stamps[name] = _stamp(tensor)
         self.hash = version_hash(self.table)
+
+        def settle() -> None:
+            with self.lock:
+                for name, positions, values in scatters:
+                    self.held[name][positions] = values
+
+        if not defer:
+            settle()
+            return None
+        return settle
 
     def forget(self, names: list[str]) -> None:
         """Re-hash tensors whose write did not hold (the table then says what they really are)."""

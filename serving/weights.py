@@ -21,8 +21,9 @@ update is two calls:
    checksums must equal the expected hash, and the live tensors must not have been written
    since the prefetch, else the update is refused and nothing was written; then a delta's
    changed positions only (a snapshot: every tensor) are written in place. The pause covers
-   only these writes. When the engine's dtype cannot hold the stored dtype exactly (say fp16
-   serving bf16), what was written is read back and compared.
+   only these writes: the verified state's copy of a sparse update's bits is written after the
+   apply answers (:meth:`WeightUpdater.settle`). When the engine's dtype cannot hold the stored
+   dtype exactly (say fp16 serving bf16), what was written is read back and compared.
 
 The verified state is only trusted while nothing else writes the live tensors: it records
 each live tensor's torch version counter (shared by a parameter, its views and detached
@@ -39,6 +40,7 @@ element): rolling it back goes through the store.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -70,6 +72,8 @@ class WeightUpdater:
         self.store = WeightStore(store_url) if store_url else None
         self.staged: Staged | None = None
         self.undo: Undo | None = None
+        self._unsettled: Callable[[], None] | None = None
+        """The held-bits writes of the last apply, left for after the pause (see :meth:`settle`)."""
         manifest = self._stored(version)
         if manifest is None and self.store is not None:
             log.warning("weights.version_not_in_store", version=version)
@@ -132,8 +136,16 @@ class WeightUpdater:
             raise ValueError("this replica was started without a weight store; restart it with --store URL")
         return self.store
 
+    def settle(self) -> None:
+        """Write the last apply's changes into the held bits (the engine runs this right after the
+        apply answers, outside the pause; every other call runs it first if it is still due)."""
+        pending, self._unsettled = self._unsettled, None
+        if pending is not None:
+            pending()
+
     def prefetch(self, req: PrefetchRequest) -> dict[str, Any]:
         """Pull, decode and verify the update to ``req.to_version`` (serving continues)."""
+        self.settle()
         timer = Timer()
         self.staged = None
         self.state.refresh()
@@ -327,10 +339,12 @@ class WeightUpdater:
 
     def discard(self) -> None:
         """Forget a staged update."""
+        self.settle()
         self.staged = None
 
     def apply(self, req: ApplyRequest) -> ApplyResult:
         """Switch to the staged update if it yields ``req.expected_hash``; else raise and keep serving as before."""
+        self.settle()
         timer = Timer()
         staged, self.staged = self.staged, None
         if staged is None or staged.to_version != req.to_version:
@@ -370,16 +384,18 @@ class WeightUpdater:
         with timer("readback"):
             bad = [n for n, u in staged.updates.items() if not self._holds(n, u, n in sparse)]
         with timer("commit"):
-            self.state.commit(
+            self._unsettled = self.state.commit(
                 {
                     n: (u.meta, None, u.positions, u.new_values())
                     if n in sparse
                     else (u.meta, u.target(self.state.held[n]), None, None)
                     for n, u in staged.updates.items()
-                }
+                },
+                defer=True,
             )
         self.version, self.undo = req.to_version, staged.undo
         if bad:
+            self.settle()
             self.state.forget(bad)
             log.error("weights.readback_mismatch", version=req.to_version, tensors=bad[:5])
             raise ValueError(

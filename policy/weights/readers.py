@@ -32,9 +32,13 @@ class DeltaReader:
         self.manifest = manifest
         self.delta: DeltaArtifact = manifest.delta
         self.path = store.path(manifest.version, self.delta.file)
-        if not store.fs.exists(self.path):
+        try:
+            size = store.fs.size(self.path)
+        except FileNotFoundError:
+            size = None
+        if size is None:
             raise WeightsError(f"delta file of version {manifest.version} is missing; use another path")
-        if store.fs.size(self.path) != self.delta.bytes:
+        if size != self.delta.bytes:
             raise WeightsError(f"delta of version {manifest.version} is truncated or overwritten: size differs")
         self._handle: Any = None
         self._whole: memoryview | None = None
@@ -42,8 +46,10 @@ class DeltaReader:
     def load(self) -> DeltaReader:
         """Read the whole delta file in one request (deltas are small); payloads then slice it."""
         if self._whole is None:
-            with self.store.fs.open(self.path, "rb") as handle:
-                self._whole = memoryview(handle.read())
+            whole = self.store.fs.cat_file(self.path)
+            if len(whole) != self.delta.bytes:
+                raise WeightsError(f"delta of version {self.manifest.version} changed while it was read; refetch")
+            self._whole = memoryview(whole)
         return self
 
     def payload(self, name: str) -> bytes | memoryview:

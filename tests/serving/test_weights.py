@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 
+from policy.weights.format import to_words
 from serving.params import ModelParams
 from serving.protocol import ApplyRequest, PrefetchRequest
 from serving.weights import WeightUpdater
@@ -40,6 +42,11 @@ def test_updates_write_fused_experts_in_place_and_undo_reverts(engine_model, ver
     pulled = updater.prefetch(PrefetchRequest(to_version="v2", kind="delta"))
     assert pulled["steps"] == ["delta:v1", "delta:v2"] and updater.version == "v0"
     assert updater.apply(ApplyRequest(to_version="v2", expected_hash=versions.hashes["v2"])).version == "v2"
+    # The fp32 engine's bf16 copy of the verified bits is written after the pause, then matches the model.
+    assert updater._unsettled is not None
+    updater.settle()
+    for name in params.names():
+        assert np.array_equal(updater.state.held[name], to_words(params.get(name).to(torch.bfloat16))), name
     v2 = versions.model_tensors["v2"]
     gu, down = _fused_expert(engine_model, 1, 3)
     half = gu.shape[0] // 2
