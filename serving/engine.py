@@ -276,7 +276,7 @@ def serve(checkpoint: str, version: str, store_url: str | None, config: EngineCo
     app = create_engine_app(runner, updater, config)
     if config.reserve_update_memory and retain_freed_memory():
         touched = app.state.weights_thread.submit(reserve, updater.state.nbytes).result()
-        app.state.weights_thread.submit(updater.warm_up).result()
         log.info("engine.update_memory_reserved", mb=touched >> 20)
+    app.state.weights_thread.submit(updater.warm_up).result()
     log.info("engine.ready", host=config.host, port=config.port, version=version, hash=updater.hash)
     uvicorn.run(app, host=config.host, port=config.port, log_level="warning", access_log=False)

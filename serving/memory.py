@@ -64,11 +64,9 @@ def retain_freed_memory() -> bool:
 
 def reserve(nbytes: int) -> int:
     """Touch and free ``nbytes`` in heap-sized blocks on the calling thread; returns the bytes touched."""
-    blocks = []
-    for _ in range(max(0, nbytes) // _CHUNK + (1 if nbytes % _CHUNK else 0)):
-        block = np.empty(_CHUNK, dtype=np.uint8)
-        block.fill(0)
-        blocks.append(block)
-    touched = len(blocks) * _CHUNK
+    count = -(-max(0, nbytes) // _CHUNK)  # whole blocks, rounded up
+    blocks = [np.empty(_CHUNK, dtype=np.uint8) for _ in range(count)]
+    for block in blocks:
+        block.fill(0)  # write every page
     del blocks
-    return touched
+    return count * _CHUNK

@@ -162,17 +162,14 @@ class VerifiedState:
             self.lock.release()
 
     def commit(
-        self,
-        written: dict[str, tuple[TensorMeta, np.ndarray | None, np.ndarray | None, np.ndarray | None]],
-        *,
-        defer: bool = False,
-    ) -> Callable[[], None] | None:
+        self, written: dict[str, tuple[TensorMeta, np.ndarray | None, np.ndarray | None, np.ndarray | None]]
+    ) -> Callable[[], None]:
         """Record what an update wrote: per tensor its verified checksum, and its whole new words, or
         (sparse) the positions written and their words.
 
-        ``defer``: the checksums and stamps are recorded now, the sparse words are written into the
-        held bits by the returned callable (run it, under no other lock, before the held bits are
-        next read: the updater does before its next call), so an engine's pause need not wait for them.
+        The checksums and stamps are recorded now; the sparse words are written into the held bits
+        by the returned callable (run it, under no other lock, before the held bits are next read:
+        the updater does before its next call), so an engine's pause need not wait for them.
         """
         scatters = []
         for name, (meta, words, positions, values) in written.items():
@@ -195,9 +192,6 @@ class VerifiedState:
                 for name, positions, values in scatters:
                     self.held[name][positions] = values
 
-        if not defer:
-            settle()
-            return None
         return settle
 
     def forget(self, names: list[str]) -> None:

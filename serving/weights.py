@@ -124,12 +124,12 @@ class WeightUpdater:
         call on a thread costs more than the update itself."""
         if self.store is not None:
             self.store.heads()
-        for name in self.live.names():
-            live = self.live.get(name)
-            words = to_words(live.reshape(-1)[:64].to(getattr(torch, self.state.table[name].dtype)))
-            values = from_words(words, self.state.table[name].dtype, [words.size]).to(live.dtype)
+        name = next(iter(self.live.names()), None)
+        if name is not None:
+            live, stored = self.live.get(name), self.state.table[name].dtype
+            words = to_words(live.reshape(-1)[:64].to(getattr(torch, stored)))
+            values = from_words(words, stored, [words.size]).to(live.dtype)
             scatter_into(values.clone(), torch.arange(values.numel()), values)
-            break
 
     def _require_store(self) -> WeightStore:
         if self.store is None:
@@ -390,8 +390,7 @@ class WeightUpdater:
                     if n in sparse
                     else (u.meta, u.target(self.state.held[n]), None, None)
                     for n, u in staged.updates.items()
-                },
-                defer=True,
+                }
             )
         self.version, self.undo = req.to_version, staged.undo
         if bad:

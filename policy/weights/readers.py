@@ -34,10 +34,8 @@ class DeltaReader:
         self.path = store.path(manifest.version, self.delta.file)
         try:
             size = store.fs.size(self.path)
-        except FileNotFoundError:
-            size = None
-        if size is None:
-            raise WeightsError(f"delta file of version {manifest.version} is missing; use another path")
+        except FileNotFoundError as err:
+            raise WeightsError(f"delta file of version {manifest.version} is missing; use another path") from err
         if size != self.delta.bytes:
             raise WeightsError(f"delta of version {manifest.version} is truncated or overwritten: size differs")
         self._handle: Any = None

@@ -93,6 +93,10 @@ class WeightStore:
         raw = self._manifest_bytes(version)
         if raw is None:
             raise WeightsError(f"version {version} is not in the store (or its write never completed)")
+        return self._validated(version, raw)
+
+    def _validated(self, version: str, raw: bytes) -> Manifest:
+        """Parse and check a manifest's bytes (once per content)."""
         key = (version, checksum(raw))
         manifest = self._parsed.get(key)
         if manifest is None:
@@ -140,10 +144,11 @@ class WeightStore:
         """Manifests of every complete version, oldest first. Corrupt manifests are skipped with a warning."""
         out = []
         for version in self.version_ids():
-            if not self.fs.exists(self.path(version, MANIFEST)):
+            raw = self._manifest_bytes(version)
+            if raw is None:
                 continue
             try:
-                out.append(self.manifest(version))
+                out.append(self._validated(version, raw))
             except WeightsError as err:
                 log.warning("weights.manifest_unreadable", version=version, error=str(err))
         return sorted(out, key=lambda m: m.seq)
