@@ -1,5 +1,9 @@
 """The database foundation: the declarative ``Base`` every layer's tables use, engine and session
-factories, and the schema checks that tell a user to run ``undertow db upgrade``.
+factories, the UTC-aware timestamp column type, and the schema checks that tell a user to run
+``undertow db upgrade``.
+
+Every timestamp column is a :class:`UTCDateTime`: SQLite keeps no zone and hands back naive values,
+so the type converts on the way in and out and callers only ever see aware UTC datetimes.
 
 SQLite runs in WAL mode with a busy timeout so a consumer, a worker and the API can share one
 file; PostgreSQL is used as is. Nothing is created at import time.
@@ -9,12 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import MetaData, create_engine, event
-from sqlalchemy.engine import Engine, make_url
+from sqlalchemy import DateTime, MetaData, create_engine, event
+from sqlalchemy.engine import Dialect, Engine, make_url
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
+from sqlalchemy.types import TypeDecorator
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -25,6 +31,37 @@ NAMING_CONVENTION = {
 }
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+
+
+def as_utc(ts: datetime) -> datetime:
+    """``ts`` as an aware UTC datetime; a naive one is taken as UTC already.
+
+    For values that do not come from a :class:`UTCDateTime` column (pandas, pydantic, JSON);
+    values read from such a column are aware UTC already.
+    """
+    return ts.replace(tzinfo=UTC) if ts.tzinfo is None else ts.astimezone(UTC)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """``DateTime(timezone=True)`` that takes only aware datetimes and always returns aware UTC ones.
+
+    A naive value is refused when bound (its zone is unknown, and SQLite would store it as
+    is); an aware one is stored in UTC. SQLite returns what it stored without a zone, PostgreSQL
+    in the session's zone: both come back as UTC.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value.isoformat()} for a UTC timestamp column: pass an aware datetime")
+        return value.astimezone(UTC)
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        return None if value is None else as_utc(value)
 
 
 class Base(DeclarativeBase):

@@ -10,10 +10,10 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, Integer, String, Text
+from sqlalchemy import JSON, BigInteger, Boolean, Float, Integer, String, Text
 from sqlalchemy.orm import Mapped, mapped_column
 
-from ingest.db import Base
+from ingest.db import Base, UTCDateTime
 
 BIGINT_PK = BigInteger().with_variant(Integer(), "sqlite")
 
@@ -32,9 +32,9 @@ class JobRow(Base):
     error: Mapped[str | None] = mapped_column(Text)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     worker: Mapped[str | None] = mapped_column(String(128))
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
-    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     duration_s: Mapped[float | None] = mapped_column(Float)
 
 
@@ -48,12 +48,12 @@ class LeaseRow(Base):
     holder: Mapped[str] = mapped_column(String(128))
     purpose: Mapped[str] = mapped_column(String(16))
     state: Mapped[str] = mapped_column(String(16))
-    acquired_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    renewed_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+    acquired_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    renewed_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
     recall_requested: Mapped[bool] = mapped_column(Boolean, default=False)
-    recall_deadline: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    released_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    recall_deadline: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    released_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
 class BorrowEventRow(Base):
@@ -66,5 +66,5 @@ class BorrowEventRow(Base):
     pool: Mapped[str] = mapped_column(String(64))
     event: Mapped[str] = mapped_column(String(32), index=True)
     holder: Mapped[str | None] = mapped_column(String(128))
-    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+    at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
     detail: Mapped[dict[str, Any]] = mapped_column(JSON)

@@ -12,10 +12,10 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, DateTime, ForeignKey, Integer, String, Text
+from sqlalchemy import JSON, BigInteger, ForeignKey, Integer, String, Text
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
-from ingest.db import Base
+from ingest.db import Base, UTCDateTime
 
 REPLICA_STATES = ("serving", "draining", "borrowed", "sleeping", "updating")
 HEALTH = ("unknown", "ok", "unreachable", "hash_mismatch", "behind")
@@ -42,8 +42,8 @@ class ReplicaRow(Base):
     """One of :data:`HEALTH`."""
     failures: Mapped[int] = mapped_column(Integer, default=0)
     """Consecutive failed health checks."""
-    last_check: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    registered_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    last_check: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    registered_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
 
 class TargetRow(Base):
@@ -54,7 +54,7 @@ class TargetRow(Base):
     pool: Mapped[str] = mapped_column(String(64), primary_key=True)
     version: Mapped[str] = mapped_column(String(128))
     weights_hash: Mapped[str] = mapped_column(String(128))
-    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
 
 class DeploymentRow(Base):
@@ -72,9 +72,9 @@ class DeploymentRow(Base):
     status: Mapped[str] = mapped_column(String(16), index=True)
     """``running``, ``succeeded``, ``rolled_back`` or ``failed`` (also: a deployer that stopped beating)."""
     message: Mapped[str] = mapped_column(Text, default="")
-    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     """Last sign of life of the deployer; a running deployment without one for a while is stale."""
 
     stages: Mapped[list[DeploymentStageRow]] = relationship(
@@ -99,7 +99,7 @@ class DeploymentStageRow(Base):
     """``running``, ``passed``, ``failed`` (gate) or ``error`` (an update failed)."""
     metrics: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     """Gate inputs: per-version request counts, error rates, latencies, acceptance."""
-    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
     deployment: Mapped[DeploymentRow] = relationship(back_populates="stages")
