@@ -4,7 +4,7 @@ from policy.weights.apply import ApplyReport, ParamTarget, StateDictTarget, appl
 from policy.weights.chain import Step, UpdateReport, plan, update
 from policy.weights.format import Manifest, WeightsError
 from policy.weights.gc import GcPlan, collect, plan_gc
-from policy.weights.store import DeltaReader, FullReader, WeightStore
+from policy.weights.store import DeltaReader, FullReader, WeightStore, open_store, resolve_store_url
 
 __all__ = [
     "ApplyReport",
@@ -21,7 +21,9 @@ __all__ = [
     "apply_delta_inplace",
     "apply_full_inplace",
     "collect",
+    "open_store",
     "plan",
     "plan_gc",
+    "resolve_store_url",
     "update",
 ]

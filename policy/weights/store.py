@@ -8,8 +8,12 @@ Layout under the store root::
 
 Writing streams tensor by tensor: the parent's tensors are rebuilt one at a time from the
 nearest full snapshot and the deltas after it, so memory stays bounded by the largest tensor.
-Producer: the trainer (``put``); consumers: the serving layer (``open_delta``/``open_full`` with
-:mod:`policy.weights.apply`), the CLI and GC.
+Producer: the trainer (``put``); consumers: the serving layer (``open_delta``/``open_full``, in
+:mod:`serving.weights`), the API, the CLI and GC.
+
+Where the store is comes from ``PolicyConfig.weights_url``: :func:`resolve_store_url` is the one
+place that turns it into a URL (a relative path lives under the Undertow home), and
+:func:`open_store` opens the store a configuration points at.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import numpy as np
 import structlog
 import torch
 
-from policy.config import WeightsConfig
+from policy.config import PolicyConfig, WeightsConfig
 from policy.weights.codec import encode_tensor
 from policy.weights.format import (
     DELTA_FILE,
@@ -351,3 +355,16 @@ class WeightStore:
             stamp = info.get("mtime") or info.get("LastModified") or info.get("created") or 0
             newest = max(newest, stamp.timestamp() if isinstance(stamp, datetime) else float(stamp))
         return newest
+
+
+def resolve_store_url(url: str, home: Path) -> str:
+    """The store location ``url`` as a URL or path: as it is when it has a scheme (``http://``,
+    ``s3://``, ...) or is an absolute path, else relative to ``home`` (the Undertow home)."""
+    if "://" in url or Path(url).is_absolute():
+        return url
+    return str(home / url)
+
+
+def open_store(config: PolicyConfig, home: Path) -> WeightStore:
+    """The weight store ``config.weights_url`` points at (resolved against ``home``), with ``config.weights``."""
+    return WeightStore(resolve_store_url(config.weights_url, home), config.weights)

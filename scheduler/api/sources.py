@@ -209,19 +209,17 @@ def _aware(ts: datetime) -> datetime:
 def _weight_manifests(settings: Settings) -> list[dict[str, Any]]:
     """Manifests of the weight store the settings point at, oldest first.
 
-    Read as plain JSON at the layout :mod:`policy.weights.store` documents
-    (``versions/<version>/manifest.json``, written last) instead of through ``WeightStore``, whose
-    import pulls in torch: an API request should not pay seconds of import time.
+    The location is resolved by :func:`policy.weights.store.resolve_store_url`; the manifests are
+    read as plain JSON at the layout that module documents (``versions/<version>/manifest.json``,
+    written last), without validating tensor tables, and one that does not parse is skipped.
     """
     import json
-    from pathlib import Path
 
     import fsspec
 
-    url = settings.policy.weights_url
-    if "://" not in url and not Path(url).is_absolute():
-        url = str(settings.home / url)
-    fs, root = fsspec.core.url_to_fs(url)
+    from policy.weights.store import resolve_store_url
+
+    fs, root = fsspec.core.url_to_fs(resolve_store_url(settings.policy.weights_url, settings.home))
     if not fs.exists(f"{root}/versions"):
         return []
     manifests = []

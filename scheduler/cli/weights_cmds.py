@@ -16,12 +16,9 @@ weights_app = typer.Typer(help="Versioned policy weights: snapshots and bit-exac
 
 def open_store(settings: Settings) -> WeightStore:
     """The weight store the settings point at (a relative path lives under the Undertow home)."""
-    from policy.weights import WeightStore
+    from policy.weights import open_store
 
-    url = settings.policy.weights_url
-    if "://" not in url and not Path(url).is_absolute():
-        url = str(settings.home / url)
-    return WeightStore(url, settings.policy.weights)
+    return open_store(settings.policy, settings.home)
 
 
 def _in_use(settings: Settings) -> set[str]:

@@ -122,13 +122,16 @@ class DemoStack:
     def engine(self) -> Any:
         return self.embedded.engine
 
-    def store_path(self) -> Path:
-        return self.settings.home / self.settings.policy.weights_url
+    def store_url(self) -> str:
+        """Where the weight store is (``policy.weights_url``, resolved against the home)."""
+        from policy.weights import resolve_store_url
+
+        return resolve_store_url(self.settings.policy.weights_url, self.settings.home)
 
     def start(self) -> DemoStack:
         from ingest.db import transaction  # noqa: F401  (database modules load before the threads start)
         from policy.versions import record_version
-        from policy.weights import WeightStore
+        from policy.weights import open_store
         from scheduler.stack import EmbeddedStack
         from serving import fleet
         from serving.launch import start_engines
@@ -138,12 +141,12 @@ class DemoStack:
         self.embedded.start_ingest()
         metrics = {k: v for k, v in self.v0_metrics.items() if isinstance(v, int | float)}
         record_version(self.engine, version=V0_ID, parent=None, step=0, checkpoint_path=self.v0_path, metrics=metrics)
-        store = WeightStore(self.store_path(), self.settings.policy.weights)
+        store = open_store(self.settings.policy, self.settings.home)
         self.v0_hash = store.put(self.v0_path, version=V0_ID, full=True).version_hash
         fleet.set_target(self.engine, V0_ID, self.v0_hash)
         self.worker = CeleryWorker(self.logs / "worker.log").start()
         self.engines = start_engines(
-            self.v0_path, self.n_replicas, store=self.store_path(), version=V0_ID, log_dir=self.logs
+            self.v0_path, self.n_replicas, store=self.store_url(), version=V0_ID, log_dir=self.logs
         )
         for i, proc in enumerate(self.engines):
             fleet.register_replica(self.engine, f"r{i}", proc.url)

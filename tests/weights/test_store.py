@@ -229,3 +229,21 @@ def test_gc_keeps_what_replicas_need(tmp_path: Path) -> None:
     assert _same(live, store.state_dict(versions[6]))
     store.config = WeightsConfig(stale_write_s=1e-9)
     assert collect(store, set()).incomplete == ["crashed"]
+
+
+def test_store_urls_resolve_against_the_home(tmp_path: Path) -> None:
+    from policy.config import PolicyConfig
+    from policy.weights import open_store, resolve_store_url
+
+    home = tmp_path / "home"
+    assert resolve_store_url("weights", home) == str(home / "weights")
+    assert resolve_store_url("shared/weights", home) == str(home / "shared" / "weights")
+    assert resolve_store_url(str(tmp_path / "elsewhere"), home) == str(tmp_path / "elsewhere")
+    assert resolve_store_url("http://10.0.0.5:8300/", home) == "http://10.0.0.5:8300/"
+    assert resolve_store_url("s3://bucket/weights", home) == "s3://bucket/weights"
+    config = PolicyConfig(weights_url="weights", weights=WeightsConfig(snapshot_every=2))
+    store = open_store(config, home)
+    assert Path(store.root) == home / "weights" and (home / "weights" / "versions").is_dir()
+    assert store.config.snapshot_every == 2
+    version = store.put({"w": torch.ones(4, dtype=torch.bfloat16)}).version
+    assert open_store(config.model_copy(update={"weights_url": str(home / "weights")}), tmp_path).latest() == version
