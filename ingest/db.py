@@ -37,9 +37,13 @@ def as_utc(ts: datetime) -> datetime:
     """``ts`` as an aware UTC datetime; a naive one is taken as UTC already.
 
     For values that do not come from a :class:`UTCDateTime` column (pandas, pydantic, JSON);
-    values read from such a column are aware UTC already.
+    values read from such a column are aware UTC already. Raises ``ValueError`` for a time UTC
+    cannot represent (``0001-01-01T00:00:00+05:00``).
     """
-    return ts.replace(tzinfo=UTC) if ts.tzinfo is None else ts.astimezone(UTC)
+    try:
+        return ts.replace(tzinfo=UTC) if ts.tzinfo is None else ts.astimezone(UTC)
+    except OverflowError as exc:
+        raise ValueError(f"timestamp {ts.isoformat()} is out of range in UTC") from exc
 
 
 class UTCDateTime(TypeDecorator[datetime]):

@@ -17,7 +17,7 @@ import json
 import sqlite3
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from functools import cache
 from typing import Any, cast
 
@@ -26,6 +26,7 @@ from pydantic import BaseModel
 
 from ingest import fastpath, schemas
 from ingest.arrays import pack_floats, pack_ids
+from ingest.db import as_utc
 
 SESSION_COLUMNS = (
     "session_id",
@@ -72,14 +73,9 @@ class JsonText(str):
     """A value that is already JSON text: bound as it is, never re-encoded."""
 
 
-def utc(ts: datetime) -> datetime:
-    """An aware datetime in UTC (a naive one is taken as UTC already)."""
-    return ts.replace(tzinfo=UTC) if ts.tzinfo is None else ts.astimezone(UTC)
-
-
 def sqlite_text(ts: datetime) -> str:
     """SQLAlchemy's SQLite storage of ``DateTime``: naive UTC, ``%Y-%m-%d %H:%M:%S.%f``."""
-    return utc(ts).replace(tzinfo=None).isoformat(" ", "microseconds")
+    return as_utc(ts).replace(tzinfo=None).isoformat(" ", "microseconds")
 
 
 @dataclass(frozen=True)
@@ -122,11 +118,11 @@ def codec_for(dialect: str) -> Codec:
         import psycopg
         from psycopg.types.json import Json
 
-        return Codec("postgresql", "%s", utc, lambda text: Json(text, dumps=_same), psycopg.Error)
+        return Codec("postgresql", "%s", as_utc, lambda text: Json(text, dumps=_same), psycopg.Error)
     raise RuntimeError(f"Unsupported database dialect {dialect!r}: use SQLite or PostgreSQL.")
 
 
-_PLAIN = Codec("plain", "?", utc, JsonText, Exception)
+_PLAIN = Codec("plain", "?", as_utc, JsonText, Exception)
 """Values as SQLAlchemy's types take them (for :func:`session_rows` and :func:`signal_row`)."""
 
 
@@ -250,10 +246,10 @@ def session_rows(
     event: schemas.SessionCompleted | fastpath.SessionCompleted, received_at: datetime
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """:func:`session_values` as dicts (UTC datetimes, ``extra`` as JSON text)."""
-    row, segments = session_values(event, utc(received_at), _PLAIN)
+    row, segments = session_values(event, as_utc(received_at), _PLAIN)
     return dict(zip(SESSION_COLUMNS, row, strict=True)), [dict(zip(SEGMENT_COLUMNS, s, strict=True)) for s in segments]
 
 
 def signal_row(event: Event, received_at: datetime) -> dict[str, Any]:
     """:func:`signal_values` as a dict (UTC datetimes, ``payload`` as JSON text)."""
-    return dict(zip(SIGNAL_COLUMNS, signal_values(event, utc(received_at), _PLAIN), strict=True))
+    return dict(zip(SIGNAL_COLUMNS, signal_values(event, as_utc(received_at), _PLAIN), strict=True))

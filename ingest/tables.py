@@ -14,10 +14,10 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, DateTime, Float, ForeignKey, Integer, LargeBinary, String, Text
+from sqlalchemy import JSON, BigInteger, Float, ForeignKey, Integer, LargeBinary, String, Text
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
-from ingest.db import Base
+from ingest.db import Base, UTCDateTime
 
 ID_LEN = 128
 
@@ -30,8 +30,8 @@ class SessionRow(Base):
     session_id: Mapped[str] = mapped_column(String(ID_LEN), primary_key=True)
     event_id: Mapped[str] = mapped_column(String(ID_LEN), unique=True)
     user_id: Mapped[str | None] = mapped_column(String(ID_LEN))
-    occurred_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
-    received_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    occurred_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
+    received_at: Mapped[datetime] = mapped_column(UTCDateTime)
     model: Mapped[str] = mapped_column(String(ID_LEN))
     policy_version: Mapped[str] = mapped_column(String(ID_LEN), index=True)
     group_id: Mapped[str | None] = mapped_column(String(ID_LEN))
@@ -82,8 +82,8 @@ class SignalRow(Base):
     session_id: Mapped[str | None] = mapped_column(String(ID_LEN), index=True)
     user_id: Mapped[str | None] = mapped_column(String(ID_LEN))
     group_id: Mapped[str | None] = mapped_column(String(ID_LEN), index=True)
-    occurred_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    received_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    occurred_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    received_at: Mapped[datetime] = mapped_column(UTCDateTime)
     horizon_s: Mapped[int | None] = mapped_column(Integer)
     """Retention horizon in seconds (``code.retained`` only)."""
     value: Mapped[float | None] = mapped_column(Float)
@@ -101,7 +101,7 @@ class DuplicateRow(Base):
     topic: Mapped[str] = mapped_column(String(255))
     partition: Mapped[int] = mapped_column(Integer)
     offset: Mapped[int] = mapped_column(BigInteger)
-    received_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    received_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
 
 class DeadLetterRow(Base):
@@ -117,8 +117,8 @@ class DeadLetterRow(Base):
     value: Mapped[bytes | None] = mapped_column(LargeBinary)
     reason: Mapped[str] = mapped_column(String(64), index=True)
     detail: Mapped[str] = mapped_column(Text, default="")
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    replayed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    replayed_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     replay_count: Mapped[int] = mapped_column(Integer, default=0)
 
 
@@ -131,6 +131,6 @@ class ConsumerOffsetRow(Base):
     topic: Mapped[str] = mapped_column(String(255), primary_key=True)
     partition: Mapped[int] = mapped_column(Integer, primary_key=True)
     next_offset: Mapped[int] = mapped_column(BigInteger)
-    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
     cluster_id: Mapped[str | None] = mapped_column(String(255))
     """Kafka cluster id the offset refers to; a different id means the log was recreated."""

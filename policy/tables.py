@@ -5,10 +5,10 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, Float, Integer, String, Text
+from sqlalchemy import JSON, Float, Integer, String, Text
 from sqlalchemy.orm import Mapped, mapped_column
 
-from ingest.db import Base
+from ingest.db import Base, UTCDateTime
 
 ID_LEN = 128
 
@@ -23,9 +23,9 @@ class PolicyVersionRow(Base):
     """The version this one was trained from (None for a warm-up)."""
     step: Mapped[int] = mapped_column(Integer, default=0)
     """Cumulative optimizer steps since v0."""
-    data_start: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    data_start: Mapped[datetime | None] = mapped_column(UTCDateTime)
     """Oldest rollout (occurred_at) in the training data; None for offline task-family data."""
-    data_end: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    data_end: Mapped[datetime | None] = mapped_column(UTCDateTime)
     """Newest rollout in the training data."""
     num_samples: Mapped[int] = mapped_column(Integer, default=0)
     """Rollouts used in the update."""
@@ -39,4 +39,4 @@ class PolicyVersionRow(Base):
     """Namespaced training and evaluation metrics (``loss/*``, ``eval/*``, ...)."""
     checkpoint_path: Mapped[str] = mapped_column(Text)
     """Hugging Face checkpoint directory of this version."""
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)

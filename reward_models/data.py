@@ -3,7 +3,7 @@
 ``load_sessions`` returns one row per session with the texts the reward models read, the
 policy's own mean logprob over the generated tokens (its confidence, the baseline every model
 must beat) and edit statistics from ``files``. ``load_signals`` returns every signal row with
-its payload. Times are timezone-aware UTC (SQLite hands back naive datetimes, read as UTC).
+its payload. Times are timezone-aware UTC, as the ingest tables' columns return them.
 """
 
 from __future__ import annotations
@@ -47,12 +47,6 @@ SIGNAL_COLUMNS = [
     "payload",
 ]
 _CHUNK = 500
-
-
-def to_utc(values: Any) -> pd.Series:
-    """Datetimes as tz-aware UTC; naive values are taken to be UTC already."""
-    series = pd.to_datetime(pd.Series(values), utc=True)
-    return series
 
 
 def mean_logprob(chunks: Sequence[bytes | None]) -> float:
@@ -144,7 +138,6 @@ def load_sessions(
             }
         )
     frame = pd.DataFrame.from_records(records, columns=SESSION_COLUMNS)
-    frame["occurred_at"] = to_utc(frame["occurred_at"]).to_numpy()
     frame["occurred_at"] = pd.to_datetime(frame["occurred_at"], utc=True)
     return frame.sort_values(["occurred_at", "session_id"], kind="stable").reset_index(drop=True)
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, Float, Integer, String, Text
+from sqlalchemy import JSON, Float, Integer, String, Text
 from sqlalchemy.orm import Mapped, mapped_column
 
-from ingest.db import Base
+from ingest.db import Base, UTCDateTime
 
 
 class RewardModelRow(Base):
@@ -22,7 +22,7 @@ class RewardModelRow(Base):
     __tablename__ = "reward_models"
 
     version: Mapped[str] = mapped_column(String(64), primary_key=True)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
     backend: Mapped[str] = mapped_column(String(16))
     status: Mapped[str] = mapped_column(String(16), index=True)
     """``promoted`` (serving rewards), ``candidate`` (kept, not promoted) or ``retired``."""
@@ -30,8 +30,8 @@ class RewardModelRow(Base):
     """Why it was or was not promoted."""
     artifact_sha256: Mapped[str] = mapped_column(String(64))
     artifact_path: Mapped[str] = mapped_column(Text)
-    window_start: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    window_end: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    window_start: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    window_end: Mapped[datetime | None] = mapped_column(UTCDateTime)
     """Newest session ``occurred_at`` in the training data (new labels are counted after it)."""
     n_labeled: Mapped[int] = mapped_column(Integer, default=0)
     primary_metric: Mapped[float | None] = mapped_column(Float)
@@ -39,7 +39,7 @@ class RewardModelRow(Base):
     metrics: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     reference_scores: Mapped[list[float]] = mapped_column(JSON, default=list)
     """A sample of hold-out scores: the reference distribution for drift detection."""
-    promoted_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    promoted_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
 class JudgeScoreRow(Base):
@@ -52,4 +52,4 @@ class JudgeScoreRow(Base):
     model: Mapped[str] = mapped_column(String(128))
     score: Mapped[float] = mapped_column(Float)
     """Judge score mapped to 0..1."""
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)

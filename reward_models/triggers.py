@@ -99,17 +99,11 @@ def retrain_decision(
     if current is None:
         return RetrainDecision(True, ["no promoted reward model"])
     decision = RetrainDecision(False)
-    window_end = (
-        current.window_end.replace(tzinfo=UTC)
-        if current.window_end and current.window_end.tzinfo is None
-        else current.window_end
-    )
-    fresh = new_labels_since(engine, window_end)
+    fresh = new_labels_since(engine, current.window_end)
     decision.details["new_labels"] = fresh
     if fresh >= config.retrain_min_new_labels:
         decision.reasons.append(f"{fresh} new labeled sessions >= {config.retrain_min_new_labels}")
-    created = current.created_at if current.created_at.tzinfo else current.created_at.replace(tzinfo=UTC)
-    age = now - created
+    age = now - current.created_at
     decision.details["age_s"] = age.total_seconds()
     if age >= timedelta(seconds=config.retrain_interval_s):
         decision.reasons.append(

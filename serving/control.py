@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -44,10 +43,6 @@ DEFAULT_CAPACITY_RPS = 1.0
 """Capacity assumed before any request was measured (planning then stays conservative via the forecast)."""
 CAPACITY_SAMPLE = 200
 """Most recent requests the capacity is measured over."""
-
-
-def _utc(ts: datetime) -> datetime:
-    return ts if ts.tzinfo else ts.replace(tzinfo=UTC)
 
 
 class RegistryFleet:
@@ -142,7 +137,7 @@ class RegistryFleet:
 
         with self.engine.connect() as conn:
             stamps = [
-                _utc(r[0]).timestamp()
+                r[0].timestamp()
                 for r in conn.execute(
                     select(SessionRow.occurred_at).where(func.coalesce(SessionRow.candidate_index, 0) == 0)
                 ).all()

@@ -159,10 +159,6 @@ def accepted_versions(engine: Engine, pool: str) -> dict[str, str] | None:
     return accepted
 
 
-def _aware(ts: datetime) -> datetime:
-    return ts if ts.tzinfo else ts.replace(tzinfo=UTC)  # SQLite returns naive timestamps
-
-
 def recover_stale(engine: Engine, stale_after_s: float, pool: str | None = None) -> list[int]:
     """Fail deployments left ``running`` by a deployer that stopped beating for ``stale_after_s``.
 
@@ -178,7 +174,7 @@ def recover_stale(engine: Engine, stale_after_s: float, pool: str | None = None)
         if pool is not None:
             query = query.where(DeploymentRow.pool == pool)
         for dep in s.scalars(query):
-            last = _aware(dep.heartbeat_at or dep.started_at)
+            last = dep.heartbeat_at or dep.started_at
             if last >= cutoff:
                 continue
             dep.status, dep.finished_at = "failed", _now()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import numpy as np
@@ -27,6 +27,7 @@ import pandas as pd
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from ingest.db import as_utc
 from ingest.tables import SessionRow, SignalRow
 
 SIGNALS = ("retention", "acceptance", "selection_win", "switch", "thumbs")
@@ -46,16 +47,15 @@ class RewardFilter:
 
 
 def db_time(session: Session, ts: datetime) -> datetime:
-    """``ts`` in UTC, naive on SQLite (which stores timestamps without an offset)."""
-    ts = ts.replace(tzinfo=UTC) if ts.tzinfo is None else ts.astimezone(UTC)
-    return ts.replace(tzinfo=None) if session.get_bind().dialect.name == "sqlite" else ts
+    """``ts`` in UTC (:func:`ingest.db.as_utc`); the timestamp columns bind it on every dialect."""
+    return as_utc(ts)
 
 
-def _filtered(session: Session, stmt: Any, f: RewardFilter) -> Any:
+def _filtered(stmt: Any, f: RewardFilter) -> Any:
     if f.since is not None:
-        stmt = stmt.where(SessionRow.occurred_at >= db_time(session, f.since))
+        stmt = stmt.where(SessionRow.occurred_at >= as_utc(f.since))
     if f.until is not None:
-        stmt = stmt.where(SessionRow.occurred_at < db_time(session, f.until))
+        stmt = stmt.where(SessionRow.occurred_at < as_utc(f.until))
     if f.model:
         stmt = stmt.where(SessionRow.model == f.model)
     if f.policy_versions:
@@ -63,14 +63,9 @@ def _filtered(session: Session, stmt: Any, f: RewardFilter) -> Any:
     return stmt
 
 
-def _utc_series(values: pd.Series) -> pd.Series:
-    return pd.to_datetime(values, utc=True)
-
-
 def load_outcomes(session: Session, f: RewardFilter) -> pd.DataFrame:
     """One row per (session, signal[, horizon]) with the outcome value; columns ``OUTCOME_COLUMNS``."""
     base = _filtered(
-        session,
         select(
             SessionRow.session_id,
             SessionRow.policy_version,
@@ -84,7 +79,7 @@ def load_outcomes(session: Session, f: RewardFilter) -> pd.DataFrame:
     sessions = pd.DataFrame(session.execute(base).all(), columns=columns)
     if sessions.empty:
         return pd.DataFrame(columns=OUTCOME_COLUMNS)
-    sessions["occurred_at"] = _utc_series(sessions["occurred_at"])
+    sessions["occurred_at"] = pd.to_datetime(sessions["occurred_at"], utc=True)
     ids = base.with_only_columns(SessionRow.session_id).scalar_subquery()
     sig_stmt = select(SignalRow.id, SignalRow.type, SignalRow.session_id, SignalRow.horizon_s, SignalRow.value).where(
         SignalRow.session_id.in_(ids),

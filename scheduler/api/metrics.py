@@ -19,7 +19,6 @@ from sqlalchemy.engine import Engine
 from ingest.db import session_factory
 from ingest.tables import DeadLetterRow, SessionRow, SignalRow
 from scheduler.api import queue, sources
-from scheduler.api.analytics import db_time
 
 
 class UndertowCollector(Collector):
@@ -31,7 +30,7 @@ class UndertowCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         now = datetime.now(UTC)
         with session_factory(self.engine)() as session:
-            recent = db_time(session, now - timedelta(seconds=60))
+            recent = now - timedelta(seconds=60)
             lag = GaugeMetricFamily(
                 "undertow_ingest_lag_seconds",
                 "Median delay between an event happening and being stored, over the last 500 sessions.",
@@ -41,13 +40,13 @@ class UndertowCollector(Collector):
                 .order_by(SessionRow.received_at.desc())
                 .limit(500)
             ).all()
-            delays = sorted((_utc(r) - _utc(o)).total_seconds() for o, r in rows)
+            delays = sorted((r - o).total_seconds() for o, r in rows)
             lag.add_metric([], delays[len(delays) // 2] if delays else 0.0)
             yield lag
 
             last = session.scalar(select(func.max(SessionRow.received_at)))
             last_sig = session.scalar(select(func.max(SignalRow.received_at)))
-            newest = max((_utc(t) for t in (last, last_sig) if t is not None), default=None)
+            newest = max((t for t in (last, last_sig) if t is not None), default=None)
             age = GaugeMetricFamily(
                 "undertow_ingest_last_event_age_seconds", "Seconds since the newest event was stored."
             )
@@ -100,10 +99,6 @@ class UndertowCollector(Collector):
             for d in sources.current_deployments(session):
                 rollout.add_metric([d["pool"], d["version"] or "", d["state"]], 1)
             yield rollout
-
-
-def _utc(ts: datetime) -> datetime:
-    return ts.replace(tzinfo=UTC) if ts.tzinfo is None else ts
 
 
 def make_registry(engine: Engine) -> CollectorRegistry:

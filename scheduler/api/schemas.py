@@ -6,25 +6,19 @@ a call looks like.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from ingest.db import as_utc
 
 EXAMPLE_TS = "2026-11-29T03:00:00Z"
 T = TypeVar("T")
 
 
-def _utc(value: datetime) -> datetime:
-    """Normalize to UTC (naive means UTC); a time that cannot be represented is a 422, not a crash."""
-    try:
-        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
-    except OverflowError as exc:
-        raise ValueError("timestamp out of range") from exc
-
-
-UtcDateTime = Annotated[datetime, AfterValidator(_utc)]
-"""A timestamp normalized to UTC."""
+UtcDateTime = Annotated[datetime, AfterValidator(as_utc)]
+"""A timestamp normalized to UTC (naive means UTC; one that UTC cannot represent is a 422, not a crash)."""
 
 NAME_PATTERN = r"^[^\x00-\x1f\x7f]+$"
 """Identifiers and names: any printable text (no control characters, which PostgreSQL refuses)."""

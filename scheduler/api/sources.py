@@ -15,6 +15,7 @@ from sqlalchemy import func, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
+from ingest.db import as_utc
 from ingest.tables import SessionRow, SignalRow
 from policy.tables import PolicyVersionRow
 from reward_models.tables import RewardModelRow
@@ -159,13 +160,13 @@ def borrow_windows(
                 "replica": ev.replica_id,
                 "pool": ev.pool,
                 "purpose": (ev.detail or {}).get("purpose"),
-                "start": _aware(ev.at),
+                "start": ev.at,
                 "end": None,
                 "info": {"holder": ev.holder},
             }
         elif ev.event in BORROW_ENDS and ev.replica_id in open_:
             window = open_.pop(ev.replica_id)
-            window["end"] = _aware(ev.at)
+            window["end"] = ev.at
             window["info"]["ended_by"] = ev.event
             windows.append(window)
     windows.extend(open_.values())
@@ -179,13 +180,13 @@ def borrow_windows(
                     "replica": lease.replica_id,
                     "pool": lease.pool,
                     "purpose": lease.purpose,
-                    "start": _aware(lease.acquired_at),
+                    "start": lease.acquired_at,
                     "end": None,
                     "info": {"holder": lease.holder, "state": lease.state},
                 }
             )
-    lo = since.astimezone(UTC) if since else None
-    hi = until.astimezone(UTC) if until else None
+    lo = as_utc(since) if since else None
+    hi = as_utc(until) if until else None
     kept = [
         w for w in windows if (lo is None or w["end"] is None or w["end"] >= lo) and (hi is None or w["start"] < hi)
     ]
@@ -194,13 +195,9 @@ def borrow_windows(
 
 def _parse_time(value: Any) -> datetime | None:
     try:
-        return _aware(datetime.fromisoformat(value)) if isinstance(value, str) else None
+        return as_utc(datetime.fromisoformat(value)) if isinstance(value, str) else None
     except ValueError:
         return None
-
-
-def _aware(ts: datetime) -> datetime:
-    return ts.replace(tzinfo=UTC) if ts.tzinfo is None else ts.astimezone(UTC)
 
 
 # Policy versions ---------------------------------------------------------------------------------
@@ -249,13 +246,13 @@ def _all_policy_versions(session: Session, settings: Settings) -> list[PolicyVer
         out[row.version_id] = PolicyVersion(
             version=row.version_id,
             parent=row.parent_id,
-            created_at=_aware(row.created_at),
+            created_at=row.created_at,
             step=row.step,
             status=status(row.version_id, "trained"),
             info={
                 "metrics": dict(row.metrics or {}),
-                "data_start": _aware(row.data_start).isoformat() if row.data_start else None,
-                "data_end": _aware(row.data_end).isoformat() if row.data_end else None,
+                "data_start": row.data_start.isoformat() if row.data_start else None,
+                "data_end": row.data_end.isoformat() if row.data_end else None,
                 "num_samples": row.num_samples,
                 "num_dropped_stale": row.num_dropped_stale,
                 "staleness_mean": row.staleness_mean,
@@ -283,14 +280,14 @@ def _all_policy_versions(session: Session, settings: Settings) -> list[PolicyVer
         )
     ).all()
     for version, first, n in seen:
-        info = {"sessions": n, "first_served": _aware(first).isoformat()}
+        info = {"sessions": n, "first_served": first.isoformat()}
         if version in out:
             out[version].info.update(info)
         else:
             out[version] = PolicyVersion(
                 version=version,
                 parent=None,
-                created_at=_aware(first),
+                created_at=first,
                 status=status(version, "seen in telemetry"),
                 info=info,
             )

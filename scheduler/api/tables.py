@@ -11,10 +11,10 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, DateTime, Integer, String
+from sqlalchemy import JSON, BigInteger, Integer, String
 from sqlalchemy.orm import Mapped, mapped_column
 
-from ingest.db import Base
+from ingest.db import Base, UTCDateTime
 
 
 class ApiTokenRow(Base):
@@ -28,9 +28,9 @@ class ApiTokenRow(Base):
     """Hex SHA-256 of the full token."""
     prefix: Mapped[str] = mapped_column(String(16))
     role: Mapped[str] = mapped_column(String(16))
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    last_used_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
 class AuditRow(Base):
@@ -39,7 +39,7 @@ class AuditRow(Base):
     __tablename__ = "api_audit_log"
 
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
-    occurred_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+    occurred_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
     actor: Mapped[str] = mapped_column(String(128), index=True)
     """Token name (or ``anonymous`` for a failed login)."""
     role: Mapped[str] = mapped_column(String(16))

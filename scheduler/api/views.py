@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import pandas as pd
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from ingest.db import as_utc
 from ingest.tables import DeadLetterRow, SessionRow, SignalRow
 from scheduler.api import analytics, charts, queue, sources
 from scheduler.settings import Settings
@@ -125,7 +126,7 @@ def fleet(session: Session, f: analytics.RewardFilter, now: datetime) -> dict[st
         windows, borrow_error = [], str(exc)
     stmt = select(SessionRow.occurred_at)
     if f.since is not None:
-        stmt = stmt.where(SessionRow.occurred_at >= analytics.db_time(session, f.since))
+        stmt = stmt.where(SessionRow.occurred_at >= as_utc(f.since))
     if f.model:
         stmt = stmt.where(SessionRow.model == f.model)
     served = pd.to_datetime(pd.Series(list(session.scalars(stmt)), dtype="object"), utc=True)
@@ -144,7 +145,7 @@ def fleet(session: Session, f: analytics.RewardFilter, now: datetime) -> dict[st
         total = len(replicas)
         for i, left in enumerate(edges[:-1]):
             t = left.to_pydatetime()
-            lent = sum(1 for s, e in spans if _utc(s) <= t < _utc(e))
+            lent = sum(1 for s, e in spans if s <= t < e)
             times.append(t)
             demand.append(float(counts.iloc[i]) * 60.0 / width if counts is not None else 0.0)
             capacity.append(float(max(total - lent, 0)))
@@ -165,7 +166,3 @@ def jobs(session: Session, now: datetime) -> dict[str, Any]:
         "jobs": items,
         "jobs_error": error,
     }
-
-
-def _utc(ts: datetime) -> datetime:
-    return ts.replace(tzinfo=UTC) if ts.tzinfo is None else ts
