@@ -14,8 +14,11 @@ learning rate (1e-6 top level, 1e-5 under ``lr_1e-5``):
 - ``decode_mb_s``: bytes of reconstructed target tensors per second of decode time, where
   decoding a tensor is: verify the payload checksum, decompress, reconstruct the target from
   the base, verify the target checksum (payloads and bases in memory). Best of repeated runs.
-- ``apply_mb_s``: ``apply_delta_inplace`` end to end from the store directory (range reads,
-  base, payload and target checksums, in-place writes into live tensors).
+- ``apply_mb_s``: a replica's update end to end from the store directory, as
+  :class:`serving.weights.WeightUpdater` runs it on a dict of live tensors: ``prefetch`` (read
+  the delta, check base and payload checksums, decode, verify each target checksum) and
+  ``apply`` (whole-version hash, in-place writes of the changed positions); the updater is built
+  before the clock starts (it hashes the held tensors once, as an engine does at load).
 - ``memcpy_mb_s``: copying the same tensors into preallocated buffers, the ceiling.
 - ``bitexact``: the live tensors after the apply equal the target bit for bit.
 - ``classes_*``: the codec with the opt-in low-magnitude class (smaller, slower decode; bit-exact
@@ -42,9 +45,11 @@ import zstandard
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from policy.config import WeightsConfig
-from policy.weights import WeightStore, apply_delta_inplace
+from policy.weights import WeightStore
 from policy.weights.codec import decode_tensor, encode_tensor
 from policy.weights.format import checksum, magnitude_mask, to_words
+from serving.protocol import ApplyRequest, PrefetchRequest
+from serving.weights import WeightUpdater
 
 LRS = (1e-6, 1e-5)
 
@@ -139,8 +144,11 @@ def measure(base: dict[str, torch.Tensor], target: dict[str, torch.Tensor]) -> d
             payloads = {k: reader.payload(k) for k in target}
         encodings = sorted({e.encoding for e in manifest.delta.tensors.values()})
         live = {k: v.clone() for k, v in base.items()}
+        updater = WeightUpdater.for_dict(live, version=v0, store_url=store.url)
         start = time.perf_counter()
-        apply_delta_inplace(live, store.open_delta(manifest.version), held_version=v0)
+        updater.prefetch(PrefetchRequest(to_version=manifest.version, kind="delta"))
+        updater.apply(ApplyRequest(to_version=manifest.version, expected_hash=manifest.version_hash))
+        updater.settle()
         apply_s = time.perf_counter() - start
     bitexact = all(torch.equal(live[k].view(torch.int16), target[k].view(torch.int16)) for k in target)
     delta_bytes = manifest.delta.bytes

@@ -1,11 +1,11 @@
-"""Cheapest path from the version a replica holds to a target, with fallback past bad artifacts.
+"""Cheapest path from the version a replica holds to a target.
 
 The versions form a graph: a delta is an edge from its base to its version, weighted by its
 size; a full snapshot is an edge from "nothing" to its version, weighted by its size. Dijkstra
 from the held version (cost 0) and from "nothing" finds the path that reads the fewest bytes.
-:func:`update` applies it step by step; each step is verified before it writes, so when a
-delta is corrupt or missing the target still holds the last good version, the bad artifact is
-excluded and a new path is planned (ending, at worst, at the nearest full snapshot).
+The serving layer's updater (:mod:`serving.weights`) stages the path step by step, verifying
+each artifact before it is used; when one is corrupt or missing it excludes it and plans again
+(ending, at worst, at the nearest full snapshot).
 
 Rollback needs no artifact of its own: deltas only point forward (parent to child), so going
 from a newer held version back to an older one is planned like any path: the nearest full
@@ -13,23 +13,17 @@ snapshot at or before the target, then the forward deltas up to it. Its cost is 
 snapshot plus ``snapshot_every - 1`` deltas. Reverse deltas (child to parent) would make a
 one-version rollback as cheap as a forward step; they are left out because rollback is rare
 (an incident, not the steady state), its cost is already bounded, and they would double the
-bytes written per version.
+bytes written per version. (A replica's usual rollback, to the version it held just before,
+is a local revert of the sparse undo it keeps, with no store read.)
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, MutableMapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 
-import structlog
-import torch
-
-from policy.weights.apply import ParamTarget, apply_delta_inplace, apply_full_inplace
 from policy.weights.format import Manifest, VersionHead, WeightsError
-from policy.weights.store import WeightStore
-
-log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -86,51 +80,3 @@ def plan(
     raise WeightsError(
         f"no path to version {target} from {held or 'nothing'}: every snapshot and delta is missing or bad"
     )
-
-
-@dataclass
-class UpdateReport:
-    """What :func:`update` did."""
-
-    version: str
-    """The version the target holds now."""
-    steps: list[Step] = field(default_factory=list)
-    """Steps applied, in order."""
-    failures: list[str] = field(default_factory=list)
-    """Artifacts that failed verification and were routed around."""
-
-    @property
-    def bytes(self) -> int:
-        """Artifact bytes of the applied steps."""
-        return sum(s.bytes for s in self.steps)
-
-
-def update(
-    store: WeightStore,
-    target: ParamTarget | MutableMapping[str, torch.Tensor],
-    held: str | None,
-    version: str,
-    *,
-    max_attempts: int = 8,
-) -> UpdateReport:
-    """Bring ``target`` from ``held`` to ``version`` along the cheapest path, falling back past bad artifacts."""
-    exclude: set[tuple[str, str]] = set()
-    report = UpdateReport(version=held or "")
-    for _attempt in range(max_attempts):
-        steps = plan(store.heads(), version, held, frozenset(exclude))
-        try:
-            for step in steps:
-                if step.kind == "full":
-                    apply_full_inplace(target, store.open_full(step.version))
-                else:
-                    apply_delta_inplace(target, store.open_delta(step.version), held_version=held)
-                held = step.version
-                report.steps.append(step)
-                report.version = step.version
-            return report
-        except (WeightsError, OSError) as err:
-            bad = (step.kind, step.version)
-            exclude.add(bad)
-            report.failures.append(f"{step.kind} {step.version}: {err}")
-            log.warning("weights.step_failed", kind=step.kind, version=step.version, error=str(err))
-    raise WeightsError(f"could not reach version {version} after {max_attempts} attempts: {report.failures}")

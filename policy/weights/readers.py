@@ -1,7 +1,7 @@
 """Readers of one stored version's artifacts: a delta's per-tensor payloads and a full snapshot's
 tensors, each verified against its checksum before it is returned (producer of the files:
-:class:`policy.weights.store.WeightStore`; consumers: :mod:`policy.weights.apply`, the serving
-layer's updater, the store itself when it rebuilds a version along its chain).
+:class:`policy.weights.store.WeightStore`; consumers: the serving layer's updater, the store
+itself when it rebuilds a version along its chain).
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""The store end to end on real checkpoints: round trips, tampering, chains with fallback, GC."""
+"""The store end to end on real checkpoints: round trips, tampering, chains with fallback, GC.
+
+Versions are applied to live tensors the way a replica applies them: through the serving layer's
+:class:`serving.weights.WeightUpdater` (prefetch, then apply with the expected hash)."""
 
 from __future__ import annotations
 
@@ -8,19 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from structlog.testing import capture_logs
 
 from policy.config import WeightsConfig
-from policy.weights import (
-    WeightsError,
-    WeightStore,
-    apply_delta_inplace,
-    apply_full_inplace,
-    collect,
-    plan,
-    plan_gc,
-    update,
-)
+from policy.weights import DeltaReader, WeightsError, WeightStore, collect, plan, plan_gc
 from policy.weights.format import DELTA_FILE, FULL_FILE, MANIFEST
+from serving.protocol import ApplyRequest, PrefetchRequest
+from serving.weights import WeightUpdater
 
 
 def _bf16(path: Path) -> dict[str, torch.Tensor]:
@@ -46,6 +43,16 @@ def _filled(store: WeightStore, checkpoints: list[Path]) -> list[str]:
     return [store.put(path).version for path in checkpoints]
 
 
+def _switch(store: WeightStore, live: dict[str, torch.Tensor], held: str, to: str, kind: str = "auto") -> dict:
+    """Move ``live`` (holding ``held``) to ``to`` as a replica does; returns what the prefetch pulled."""
+    updater = WeightUpdater.for_dict(live, version=held, store_url=store.url)
+    pulled = updater.prefetch(PrefetchRequest(to_version=to, kind=kind))
+    applied = updater.apply(ApplyRequest(to_version=to, expected_hash=store.manifest(to).version_hash))
+    updater.settle()
+    assert applied.version == to and applied.hash == store.manifest(to).version_hash
+    return pulled
+
+
 def test_checkpoints_roundtrip_bit_exact(store: WeightStore, checkpoints: list[Path]) -> None:
     versions = _filled(store, checkpoints)
     manifests = [store.manifest(v) for v in versions]
@@ -58,14 +65,14 @@ def test_checkpoints_roundtrip_bit_exact(store: WeightStore, checkpoints: list[P
     assert _same(full, _bf16(checkpoints[0]))
 
 
-def test_apply_delta_inplace_updates_a_live_model(store: WeightStore, checkpoints: list[Path]) -> None:
+def test_a_delta_updates_a_live_model_in_place(store: WeightStore, checkpoints: list[Path]) -> None:
     versions = _filled(store, checkpoints)
     live = store.state_dict(versions[0])
-    tensor_ids = {k: id(v) for k, v in live.items()}
-    report = apply_delta_inplace(live, store.open_delta(versions[1]), held_version=versions[0])
-    assert report.version == versions[1] and report.tensors > 0
+    tensor_ids = {k: (id(v), v.data_ptr()) for k, v in live.items()}
+    pulled = _switch(store, live, versions[0], versions[1], kind="delta")
+    assert pulled["steps"] == [f"delta:{versions[1]}"] and pulled["tensors"] > 0
     assert _same(live, _bf16(checkpoints[1]))
-    assert {k: id(v) for k, v in live.items()} == tensor_ids, "tensors must be updated in place"
+    assert {k: (id(v), v.data_ptr()) for k, v in live.items()} == tensor_ids, "tensors must be updated in place"
 
 
 def test_new_and_removed_tensors(store: WeightStore) -> None:
@@ -77,11 +84,26 @@ def test_new_and_removed_tensors(store: WeightStore) -> None:
     }
     second["w2"] = torch.randn(5).to(torch.float8_e4m3fn)
     a, b = store.put(first).version, store.put(second).version
-    live = store.state_dict(a)
-    apply_delta_inplace(live, store.open_delta(b))
     expected = {k: v.to(torch.bfloat16) if v.dtype == torch.float32 else v for k, v in second.items()}
-    assert _same(live, expected) and "gone" not in live
+    assert _same(store.state_dict(b), expected)  # rebuilt from a's snapshot and b's delta
     assert store.manifest(b).delta.removed == ["gone"]  # type: ignore[union-attr]
+    # A running engine cannot grow or drop parameters: the update is refused, nothing is written.
+    live = store.state_dict(a)
+    before = {k: v.clone() for k, v in live.items()}
+    with pytest.raises(ValueError, match="adds tensor"):
+        _switch(store, live, a, b)
+    assert _same(live, before)
+    # Every dtype's delta applies bit for bit (bf16, fp8, int64).
+    third = {
+        "w": expected["w"].float().add(1e-3).to(torch.bfloat16),
+        "extra": expected["extra"].float().mul(1.5).to(torch.bfloat16),
+        "step": torch.tensor([3]),
+        "w2": expected["w2"].float().mul(-1.0).to(torch.float8_e4m3fn),
+    }
+    c = store.put(third).version
+    live = store.state_dict(b)
+    _switch(store, live, b, c, kind="delta")
+    assert _same(live, third)
 
 
 def test_flipped_byte_in_delta_is_detected_and_nothing_applied(store: WeightStore, checkpoints: list[Path]) -> None:
@@ -91,34 +113,38 @@ def test_flipped_byte_in_delta_is_detected_and_nothing_applied(store: WeightStor
     _flip(store.path(versions[1], DELTA_FILE), entry.offset + entry.length // 2)
     live = store.state_dict(versions[0])
     before = {k: v.clone() for k, v in live.items()}
-    with pytest.raises(WeightsError, match="corrupt"):
-        apply_delta_inplace(live, store.open_delta(versions[1]))
+    with pytest.raises(ValueError, match="corrupt"):
+        _switch(store, live, versions[0], versions[1], kind="delta")
     assert _same(live, before)
 
 
 def test_truncated_files_are_detected(store: WeightStore, checkpoints: list[Path]) -> None:
     versions = _filled(store, checkpoints)
     delta_path = Path(store.path(versions[1], DELTA_FILE))
-    delta_path.write_bytes(delta_path.read_bytes()[:-10])
     live = store.state_dict(versions[0])
+    held_v1 = store.state_dict(versions[1])
+    delta_path.write_bytes(delta_path.read_bytes()[:-10])
     before = {k: v.clone() for k, v in live.items()}
-    with pytest.raises(WeightsError, match=r"truncated|corrupt"):
-        apply_delta_inplace(live, store.open_delta(versions[1]))
+    with pytest.raises(ValueError, match=r"truncated|corrupt"):
+        _switch(store, live, versions[0], versions[1], kind="delta")
     assert _same(live, before)
     full_path = Path(store.path(versions[0], FULL_FILE))
     full_path.write_bytes(full_path.read_bytes()[:-100])
-    with pytest.raises(WeightsError, match=r"truncated|corrupt"):
-        apply_full_inplace({}, store.open_full(versions[0]))
+    before = {k: v.clone() for k, v in held_v1.items()}
+    with pytest.raises(ValueError, match=r"truncated|corrupt"):
+        _switch(store, held_v1, versions[1], versions[0], kind="snapshot")
+    assert _same(held_v1, before)
 
 
 def test_wrong_base_version_is_refused(store: WeightStore, checkpoints: list[Path]) -> None:
     versions = _filled(store, checkpoints)
     live = store.state_dict(versions[0])
     before = {k: v.clone() for k, v in live.items()}
-    with pytest.raises(WeightsError, match="holds"):
-        apply_delta_inplace(live, store.open_delta(versions[2]))
-    with pytest.raises(WeightsError, match="applies to"):
-        apply_delta_inplace(live, store.open_delta(versions[2]), held_version=versions[0])
+    # A receiver that claims v1 but holds v0's bits: v2's delta (base v1) must not apply.
+    updater = WeightUpdater.for_dict(live, version=versions[1], store_url=None)
+    updater.store = store
+    with pytest.raises(ValueError, match=f"does not match version {versions[1]}"):
+        updater.prefetch(PrefetchRequest(to_version=versions[2], kind="delta"))
     assert _same(live, before)
 
 
@@ -151,15 +177,20 @@ def test_chain_plans_cheapest_path_and_falls_back_to_snapshot(tmp_path: Path) ->
     assert [s.kind for s in plan(manifests, versions[3], versions[1])] == ["delta", "delta"]
     assert [s.kind for s in plan(manifests, versions[3], None)] == ["full", "delta"]
     assert plan(manifests, versions[3], versions[3]) == []
+    assert [(s.kind, s.version) for s in plan(manifests, versions[4], versions[3])] == [("delta", versions[4])]
     _flip(store.path(versions[3], DELTA_FILE), 40)  # corrupt delta v2 -> v3
     live = {k: v.clone() for k, v in states[1].items()}
-    report = update(store, live, versions[1], versions[4])
-    assert report.version == versions[4] and report.failures
-    assert _same(live, states[4])
+    assert [s.kind for s in plan(manifests, versions[4], versions[1])] == ["delta", "delta", "delta"]
+    with capture_logs() as logs:
+        pulled = _switch(store, live, versions[1], versions[4])
+    assert [e["version"] for e in logs if e["event"] == "weights.artifact_refused"] == [versions[3]]
+    assert pulled["steps"] == [f"full:{versions[4]}"] and _same(live, states[4])
     Path(store.path(versions[4], DELTA_FILE)).unlink()  # missing delta: nearest snapshot instead
-    live = {k: v.clone() for k, v in states[2].items()}
-    report = update(store, live, versions[2], versions[4])
-    assert [s.kind for s in report.steps][-1] == "full" and _same(live, states[4])
+    live = {k: v.clone() for k, v in states[3].items()}
+    with capture_logs() as logs:
+        pulled = _switch(store, live, versions[3], versions[4])
+    assert [e["version"] for e in logs if e["event"] == "weights.artifact_refused"] == [versions[4]]
+    assert pulled["steps"] == [f"full:{versions[4]}"] and _same(live, states[4])
 
 
 def test_magnitude_classes_through_the_store(tmp_path: Path, checkpoints: list[Path]) -> None:
@@ -169,7 +200,7 @@ def test_magnitude_classes_through_the_store(tmp_path: Path, checkpoints: list[P
     for store in (plain, classed):
         versions = _filled(store, checkpoints[:2])
         live = store.state_dict(versions[0])
-        apply_delta_inplace(live, store.open_delta(versions[1]), held_version=versions[0])
+        _switch(store, live, versions[0], versions[1], kind="delta")
         assert _same(live, _bf16(checkpoints[1]))
     p_delta, c_delta = (s.manifest(s.latest() or "").delta for s in (plain, classed))
     assert p_delta is not None and c_delta is not None
@@ -191,11 +222,13 @@ def test_rollback_plans_through_the_nearest_snapshot(tmp_path: Path) -> None:
     steps = plan(store.manifests(), versions[1], versions[5])
     assert [(s.kind, s.version) for s in steps] == [("full", versions[0]), ("delta", versions[1])]
     live = {k: v.clone() for k, v in states[5].items()}
-    report = update(store, live, versions[5], versions[1])
-    assert report.version == versions[1] and not report.failures and _same(live, states[1])
+    pulled = _switch(store, live, versions[5], versions[1])
+    assert pulled["steps"] == [f"full:{versions[0]}", f"delta:{versions[1]}"] and _same(live, states[1])
 
 
-def test_delta_reader_reuses_and_closes_its_file(store: WeightStore, checkpoints: list[Path]) -> None:
+def test_delta_reader_reuses_and_closes_its_file(
+    store: WeightStore, checkpoints: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     versions = _filled(store, checkpoints[:2])
     reader = store.open_delta(versions[1])
     names = list(reader.delta.tensors)
@@ -203,9 +236,20 @@ def test_delta_reader_reuses_and_closes_its_file(store: WeightStore, checkpoints
     assert reader._handle is not None
     reader.close()
     assert reader._handle is None and reader.payload(names[0]) == first  # reopens on demand
-    live = store.state_dict(versions[0])
-    apply_delta_inplace(live, reader, held_version=versions[0])
-    assert reader._handle is None, "apply closes the delta file"
+    reader.close()
+    assert bytes(reader.load().payload(names[0])) == bytes(first)  # one read of the whole file, then slices
+    reader.close()
+    assert reader._whole is None
+    opened: list[DeltaReader] = []
+    real_open_delta = WeightStore.open_delta
+
+    def open_delta(self: WeightStore, version: str) -> DeltaReader:
+        opened.append(real_open_delta(self, version))
+        return opened[-1]
+
+    monkeypatch.setattr(WeightStore, "open_delta", open_delta)
+    _switch(store, store.state_dict(versions[0]), versions[0], versions[1], kind="delta")
+    assert opened and all(r._handle is None and r._whole is None for r in opened), "a pull closes the delta file"
 
 
 def test_gc_keeps_what_replicas_need(tmp_path: Path) -> None:
@@ -225,7 +269,7 @@ def test_gc_keeps_what_replicas_need(tmp_path: Path) -> None:
     assert result.delete == gc_plan.delete and result.incomplete == []
     assert [m.version for m in store.manifests()] == gc_plan.keep
     live = store.state_dict(versions[4])
-    update(store, live, versions[4], versions[6])
+    assert _switch(store, live, versions[4], versions[6])["steps"] == [f"delta:{versions[5]}", f"delta:{versions[6]}"]
     assert _same(live, store.state_dict(versions[6]))
     store.config = WeightsConfig(stale_write_s=1e-9)
     assert collect(store, set()).incomplete == ["crashed"]
