@@ -1,10 +1,11 @@
 """The production RL update: the served sessions in the database, rewarded by what users did,
 trained by GRPO over candidate groups, into a new policy version (checkpoint + row).
 
-This is the trainer session the scheduler's ``rl_update`` task runs on borrowed replicas
-(``SchedulerConfig.rl_trainer = "policy.production:trainer_session"``):
+This is the trainer session the scheduler's ``rl_update`` step runs on borrowed replicas (the
+scheduler builds it from its settings sections and the job's :class:`TrainRequest`):
 
-- **data**: every stored session with token ids, serving logprobs and routed experts
+- **data**: every stored session of the request's window (``since``/``until`` on the session's
+  ``occurred_at``) with token ids, serving logprobs and routed experts
   (:func:`policy.rollouts.rollouts_from_sessions`), at most ``max_staleness`` versions behind the
   version trained from (:func:`policy.rollouts.filter_stale`: older and unknown versions drop);
 - **reward**: the composite label from user signals (:func:`reward_models.labels.build_labels`:
@@ -24,15 +25,15 @@ This is the trainer session the scheduler's ``rl_update`` task runs on borrowed 
 - **result**: the new version is evaluated on the fixed held-out task set, saved and recorded
   (``policy_versions``), and its id, checkpoint and metrics are returned.
 
-Inputs from the run's state (all optional): ``base_version`` (else the newest version), ``lr`` and
+Inputs (:class:`TrainRequest`, all optional): ``base_version`` (else the newest version), ``lr`` and
 ``steps`` (overrides; the demo's gate drill uses a destructive ``lr``), ``groups_per_step``,
-``eval`` (``EvalConfig`` fields), ``label`` (kept in the version's metrics).
+``eval`` (``EvalConfig`` fields), ``label`` (kept in the version's metrics), ``since``/``until``.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, selectinload
 
 from ingest.db import make_engine
+from policy.config import PolicyConfig
 from policy.distributed import (
     barrier,
     broadcast,
@@ -62,6 +64,7 @@ from policy.rollouts import Rollout, filter_stale, rollouts_from_sessions, versi
 from policy.tables import PolicyVersionRow
 from policy.trainer import make_optimizer, update_step
 from policy.versions import latest_version, list_versions, record_version, version_id
+from reward_models.config import RewardsConfig
 
 log = structlog.get_logger(__name__)
 
@@ -71,15 +74,38 @@ MAX_CONTEXT = 1024
 """Longest training window in tokens (longer agent sessions are split into windows)."""
 
 
-def session_rewards(engine: Engine, rewards_config: Any, now: datetime | None = None) -> dict[str, float]:
-    """Reward in [0, 1] per stored session: the composite label, else ``sigmoid`` of the promoted
-    reward model's score; sessions with neither are left out."""
+@dataclass(frozen=True)
+class TrainRequest:
+    """What one production RL update trains on and how (see the module docstring)."""
+
+    base_version: str | None = None
+    steps: int | None = None
+    lr: float | None = None
+    groups_per_step: int = GROUPS_PER_STEP
+    eval: dict[str, Any] = field(default_factory=dict)
+    label: str = ""
+    since: datetime | None = None
+    """First session time included (None: from the first session)."""
+    until: datetime | None = None
+    """First session time excluded (None: up to now)."""
+
+
+def session_rewards(
+    engine: Engine,
+    rewards_config: RewardsConfig,
+    now: datetime | None = None,
+    *,
+    since: datetime | None = None,
+    until: datetime | None = None,
+) -> dict[str, float]:
+    """Reward in [0, 1] per stored session of ``[since, until)``: the composite label, else ``sigmoid``
+    of the promoted reward model's score; sessions with neither are left out."""
     from reward_models.api import load_scorer
     from reward_models.data import load_sessions, load_signals
     from reward_models.labels import build_labels
     from reward_models.registry import current_promoted
 
-    sessions = load_sessions(engine)
+    sessions = load_sessions(engine, since=since, until=until)
     if sessions.empty:
         return {}
     labels = build_labels(sessions, load_signals(engine), rewards_config, now or datetime.now(UTC)).sessions
@@ -132,34 +158,35 @@ def plan_batches(rollouts: list[Rollout], steps: int, groups_per_step: int, seed
 class ProductionSession:
     """A preemptible RL update from production rollouts (see the module docstring)."""
 
-    def __init__(self, settings: Any, state: dict[str, Any]) -> None:
-        self.cfg = settings.policy
-        self.engine = make_engine(settings.resolved_database_url)
+    def __init__(
+        self, config: PolicyConfig, rewards_config: RewardsConfig, database_url: str, home: Path, request: TrainRequest
+    ) -> None:
+        self.cfg = config
+        self.engine = make_engine(database_url)
         root = Path(self.cfg.checkpoints_dir)
-        self.root = root if root.is_absolute() else Path(settings.home) / root
+        self.root = root if root.is_absolute() else Path(home) / root
         torch.set_num_threads(self.cfg.threads)
-        self.parent = self._parent(state.get("base_version") or state.get("serving_version"))
+        self.parent = self._parent(request.base_version)
         self.number = max((version_number(v.version_id) or 0) for v in list_versions(self.engine)) + 1
-        self.label = str(state.get("label", ""))
-        tcfg = train_config(self.cfg, int(state["steps"]) if state.get("steps") else None)
+        self.label = request.label
+        tcfg = train_config(self.cfg, request.steps)
         tcfg = replace(tcfg, seed=self.cfg.seed * 7919 + self.number)
-        if state.get("lr"):
-            tcfg = replace(tcfg, lr=float(state["lr"]))
+        if request.lr:
+            tcfg = replace(tcfg, lr=float(request.lr))
         self.tcfg = tcfg
-        self.eval_cfg = EvalConfig(**state.get("eval", {}))
+        self.eval_cfg = EvalConfig(**request.eval)
         self.model, self.tokenizer = load_checkpoint(self.parent.checkpoint_path)
         if world()[1] > 1 and self.cfg.parallel == "fsdp":
             shard(self.model)
         self.opt = make_optimizer(self.model, tcfg)
         self.step_no = 0
         self.history: list[dict[str, float]] = []
-        rewards = session_rewards(self.engine, settings.rewards)
+        rewards = session_rewards(self.engine, rewards_config, since=request.since, until=request.until)
         rollouts = load_rollouts(self.engine, rewards, max_tokens=MAX_CONTEXT)
         base_number = version_number(self.parent.version_id) or 0
         fresh, stats = filter_stale(rollouts, base_number, self.cfg.max_staleness)
         self.stale = stats
-        groups = int(state.get("groups_per_step", GROUPS_PER_STEP))
-        plan = plan_batches(fresh, tcfg.steps, groups, tcfg.seed)
+        plan = plan_batches(fresh, tcfg.steps, request.groups_per_step, tcfg.seed)
         if not plan:
             raise RuntimeError(
                 f"no rewarded candidate group of policy {self.parent.version_id} or the {self.cfg.max_staleness} "
@@ -251,10 +278,6 @@ class ProductionSession:
             "checkpoint": str(path),
             "metrics": metrics,
             "staleness": {"kept": self.stale.kept, "dropped": self.stale.dropped, "mean": self.stale.mean},
+            "trained_sessions": sorted({sid for batch in self.plan for sid, _ in batch}),
         }
         return dict(broadcast(result))
-
-
-def trainer_session(settings: Any, state: dict[str, Any]) -> ProductionSession:
-    """The session ``rl_update`` steps (``SchedulerConfig.rl_trainer`` names this)."""
-    return ProductionSession(settings, state)

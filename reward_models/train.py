@@ -101,11 +101,16 @@ def train_reward_models(
     *,
     now: datetime | None = None,
     since: datetime | None = None,
+    until: datetime | None = None,
     resolved_config: dict[str, Any] | None = None,
 ) -> TrainReport:
-    """One training run (see module docstring); raises :class:`TrainingDataError` when nothing can be trained."""
+    """One training run (see module docstring); raises :class:`TrainingDataError` when nothing can be trained.
+
+    It trains on the sessions that occurred in ``[since, until)`` (``until`` defaults to ``now``);
+    their labels use every signal that arrived by ``now``, late ones included.
+    """
     now = now or datetime.now(UTC)
-    sessions = load_sessions(engine, since=since, until=now)
+    sessions = load_sessions(engine, since=since, until=min(until, now) if until else now)
     if sessions.empty:
         raise TrainingDataError(
             "No sessions in the training window: ingest telemetry first (`undertow ingest --once`), "

@@ -85,12 +85,19 @@ class SchedulerConfig(BaseModel):
     """Baseline: local hour the fixed nightly borrowing window closes."""
     pools: list[PoolConfig] = Field(default_factory=lambda: [PoolConfig()])
     """Serving pools the scheduler may borrow from."""
-    fleet_control: str = "serving.control:fleet_control"
-    """``module:function`` building the fleet control (drain, sleep, wake, verify, rejoin) from the settings."""
-    rl_trainer: str = "policy.production:trainer_session"
-    """``module:function`` building a preemptible RL trainer session from the settings and the run's inputs."""
-    steps: dict[str, str] = Field(default_factory=dict)
-    """Overrides of loop steps by name (``collect``, ``retrain``, ``snapshot``, ...): ``module:function``."""
+    fleet_control: str = "scheduler.loop.borrowing:registry_fleet"
+    """Override point: ``module:function`` building the fleet control (drain, sleep, wake, verify, rejoin)
+    from the settings, for a fleet the serving registry does not manage (a cluster manager's own API)."""
+    rl_trainer: str = "scheduler.loop.training:production_trainer"
+    """Override point: ``module:function`` building the preemptible RL trainer session from the settings and
+    the job's :class:`scheduler.loop.state.LoopState`, for an operator's own trainer."""
+    job_heartbeat_s: float = Field(default=10.0, gt=0)
+    """How often a running step records that its worker is alive."""
+    job_lost_after_s: float = Field(default=60.0, gt=0)
+    """A running step silent this long is marked LOST (its worker was killed or cut off)."""
+    longest_step_s: float = Field(default=4 * 3600.0, gt=0)
+    """Longest a step may run (a training step's run between two preemptions); the Redis visibility
+    timeout is set from it, so a running step's message is never handed to a second worker."""
     checkpoint_dir: str = "checkpoints"
     """Directory under the Undertow home where preempted training jobs checkpoint."""
     checkpoint_every_steps: int = Field(default=10, ge=1)

@@ -19,7 +19,8 @@ BIGINT_PK = BigInteger().with_variant(Integer(), "sqlite")
 
 
 class JobRow(Base):
-    """One Celery task run (keyed by the task id; retries update the same row)."""
+    """A job (``id == chain_id``, ``name`` its kind) or one step run of it (keyed by the task id, ``name``
+    the task's; retries and redeliveries update the same row). See :mod:`scheduler.loop.jobs`."""
 
     __tablename__ = "jobs"
 
@@ -36,6 +37,8 @@ class JobRow(Base):
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     duration_s: Mapped[float | None] = mapped_column(Float)
+    heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    """Last sign of life of the worker running it; a step silent for too long is LOST."""
 
 
 class LeaseRow(Base):

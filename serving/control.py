@@ -3,8 +3,8 @@ the fleet registry, and the load history and capacity the planner sizes the lend
 
 :class:`RegistryFleet` implements the scheduler's ``FleetControl`` protocol over
 :mod:`serving.fleet` (the registry the gateway balances over) and :class:`serving.client.EngineClient`
-(the engines' dev-mode endpoints). The scheduler reaches it through ``SchedulerConfig.fleet_control``
-(``serving.control:fleet_control``); it never learns how a replica is drained or woken.
+(the engines' dev-mode endpoints). The scheduler builds it from its settings; it never learns how a
+replica is drained or woken.
 
 - **drain**: the replica leaves rotation (state ``draining``); the gateway re-reads the registry
   every ``fleet_refresh_s``, so after that delay no new request reaches it; a pause that waits for
@@ -30,7 +30,6 @@ import numpy as np
 import structlog
 from sqlalchemy import func, select
 
-from ingest.db import make_engine
 from serving import fleet
 from serving.client import EngineClient
 
@@ -162,14 +161,3 @@ def load_rates(stamps: list[float], window_wall_s: float, now: float) -> np.ndar
     idx = idx[(idx >= 0) & (idx < count)]
     counts = np.bincount(idx, minlength=count).astype(float)
     return counts / window_wall_s
-
-
-def fleet_control(settings: Any) -> RegistryFleet:
-    """The fleet of the configured database (``SchedulerConfig.fleet_control`` names this)."""
-    return RegistryFleet(
-        make_engine(settings.resolved_database_url),
-        refresh_s=settings.serving.gateway.fleet_refresh_s,
-        pause_timeout_s=settings.serving.deploy.pause_timeout_s,
-        clock_speedup=settings.scheduler.clock_speedup,
-        latency_slo_s=settings.scheduler.latency_slo_s,
-    )

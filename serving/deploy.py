@@ -116,12 +116,32 @@ def _beat(db: Engine, dep_id: int) -> None:
             row.heartbeat_at = _now()
 
 
+def _requested(db: Engine, dep_id: int) -> str | None:
+    """What an operator asked of this running deployment (:mod:`serving.actions`), if anything."""
+    with transaction(db) as s:
+        row = s.get(DeploymentRow, dep_id)
+        return row.requested if row is not None else None
+
+
 async def _wait_gate(
-    metrics: MetricsSource, new_v: str, old_v: str, config: DeployConfig, beat: Callable[[], None]
+    metrics: MetricsSource | None,
+    new_v: str,
+    old_v: str,
+    config: DeployConfig,
+    beat: Callable[[], None],
+    requested: Callable[[], str | None],
 ) -> tuple[bool, str, dict[str, Any]]:
+    """Judge a stage once the new version has its minimum sample, or when an operator decides first."""
     deadline = time.monotonic() + config.gate_max_wait_s
     while True:
         beat()
+        asked = requested()
+        if asked == "promote":
+            return True, "promoted by an operator", {}
+        if asked == "rollback":
+            return False, "rolled back by an operator", {}
+        if metrics is None:
+            return True, "passed", {}
         snap = (await metrics()).get("versions", {})
         new, old = snap.get(new_v), snap.get(old_v)
         if (new and new.get("requests", 0) >= config.gate_min_requests) or time.monotonic() > deadline:
@@ -215,6 +235,7 @@ async def rollout(
             from_version=old_version,
             to_version=to_version,
             to_hash=to_hash,
+            from_hash=old_hash,
             kind=kind,
             status="running",
             message="",
@@ -264,13 +285,20 @@ async def rollout(
                         result.pause_ms[rep.id], result.pulled_bytes[rep.id] = pause_ms, nbytes
                 except EngineError as exc:
                     stage["outcome"], failure = "error", f"{name}: update of {current} failed: {exc.message}"
-                if not failure and metrics is not None:
+                if not failure:
                     begin = time.perf_counter()
                     ok, why, observed = await _wait_gate(
-                        metrics, to_version, old_version, config, lambda: _beat(db, dep_id)
+                        metrics,
+                        to_version,
+                        old_version,
+                        config,
+                        lambda: _beat(db, dep_id),
+                        lambda: _requested(db, dep_id),
                     )
                     overall["gate"] += time.perf_counter() - begin
                     stage["metrics"] = observed
+                    if why == "promoted by an operator":
+                        metrics = None  # the remaining stages move without gates
                     if not ok:
                         stage["outcome"], failure = "failed", f"{name}: gate failed: {why}"
                 if not failure:

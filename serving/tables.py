@@ -67,6 +67,8 @@ class DeploymentRow(Base):
     from_version: Mapped[str] = mapped_column(String(128))
     to_version: Mapped[str] = mapped_column(String(128))
     to_hash: Mapped[str] = mapped_column(String(128))
+    from_hash: Mapped[str | None] = mapped_column(String(128))
+    """Hash of ``from_version`` (what a rollback restores)."""
     kind: Mapped[str] = mapped_column(String(16))
     """``delta`` or ``snapshot`` (how replicas pull the new weights)."""
     status: Mapped[str] = mapped_column(String(16), index=True)
@@ -76,6 +78,8 @@ class DeploymentRow(Base):
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     """Last sign of life of the deployer; a running deployment without one for a while is stale."""
+    requested: Mapped[str | None] = mapped_column(String(16))
+    """What an operator asked of it while running (``promote`` or ``rollback``; :mod:`serving.actions`)."""
 
     stages: Mapped[list[DeploymentStageRow]] = relationship(
         back_populates="deployment", order_by="DeploymentStageRow.idx", cascade="all, delete-orphan"

@@ -1,45 +1,34 @@
-"""Jobs for the scheduler's Celery workers: record a job in the scheduler's job table, send its
-tasks, list, read and cancel them.
-
-A job of each kind runs a fixed sequence of the loop's tasks (:data:`JOB_TASKS`); its id is the
-first task's id, which is also the chain id every task of it records, and the workers update
-the row as they run (:mod:`scheduler.tasks.base`).
+"""Jobs for the scheduler's Celery workers, as the API sees them: start one from a request, list,
+read and cancel them. The loop itself (what each kind runs, how cancel and lost workers are
+handled) is :mod:`scheduler.loop`; this module turns API requests into its typed
+:class:`~scheduler.loop.state.LoopState` and its job rows into :class:`Job` responses.
 """
 
 from __future__ import annotations
 
-import uuid
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import func, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
-from ingest.db import session_factory, transaction
+from ingest.db import session_factory
 from scheduler.api.schemas import Job
 from scheduler.api.sources import Conflict, Unavailable
+from scheduler.loop import jobs
+from scheduler.loop.state import LoopState
+from scheduler.loop.submit import QueueUnavailable, new_job_id
 from scheduler.tables import JobRow
 
 if TYPE_CHECKING:
     from scheduler.settings import Settings
 
-FINISHED_STATES = frozenset({"SUCCESS", "FAILURE", "REVOKED", "LOST"})
-"""Job states (see :mod:`scheduler.tasks.base`) after which there is nothing left to cancel."""
-CANCELLED = "REVOKED"
-
-# Which Celery tasks a job of each kind runs (a chain runs its tasks in order; the job id is
-# the first task's, which is also the chain id every task of it records).
-JOB_TASKS: dict[str, tuple[str, ...]] = {
-    "reward_model_retrain": ("undertow.retrain",),
-    "rl_update": ("undertow.rl_update", "undertow.snapshot", "undertow.canary", "undertow.promote"),
-    "rollout": ("undertow.canary", "undertow.promote"),
-    "promote": ("undertow.promote",),
-    "rollback": ("undertow.rollback",),
-}
+FINISHED_STATES = jobs.FINISHED
+"""Job states after which there is nothing left to cancel."""
 
 
-def _job(row: JobRow) -> Job:
+def _job(row: JobRow, steps: list[JobRow] | None = None) -> Job:
+    inputs = dict(row.inputs or {})
     return Job(
         id=row.id,
         kind=row.name,
@@ -47,71 +36,38 @@ def _job(row: JobRow) -> Job:
         created_at=row.created_at,
         started_at=row.started_at,
         finished_at=row.finished_at,
-        params=dict(row.inputs or {}),
+        params=dict(inputs.get("state") or inputs),
         result=dict(row.outputs or {}),
         error=row.error,
+        steps=[{"name": s.name, "state": s.state, "attempts": s.attempts, "error": s.error} for s in steps or []],
     )
 
 
-def _celery(settings: Settings) -> Any:
-    from scheduler.celery_app import make_celery
+def submit_job(engine: Engine, state: LoopState, *, settings: Settings) -> Job:
+    """Record a job (state ``PENDING``) and send its chain; the workers update it as it runs.
+    :class:`Unavailable` when the broker cannot be reached (the row then says ``FAILURE`` and why)."""
+    from scheduler.loop.submit import submit
 
-    celery = make_celery(settings)
-    if str(celery.conf.broker_url).startswith("sqla+"):
-        # kombu's SQLAlchemy transport hands every transport option to ``create_engine``, which
-        # refuses ``polling_interval`` (a consumer-side setting a producer does not need).
-        options = dict(celery.conf.broker_transport_options or {})
-        options.pop("polling_interval", None)
-        celery.conf.broker_transport_options = options
-    return celery
-
-
-def _chain_state(kind: str, job_id: str, params: dict[str, Any]) -> dict[str, Any]:
-    """The JSON state the loop's tasks carry (see :mod:`scheduler.tasks.steps`)."""
-    state: dict[str, Any] = {"run_id": job_id, "requested_via": "api", **params}
-    if kind == "reward_model_retrain":
-        state["force"] = True
-        state["window"] = {"since": params.get("since"), "until": params.get("until")}
-    if kind in ("rollout", "promote", "rollback"):
-        state["policy_version"] = params.get("version")
-    if kind == "promote":
-        state["canary"] = {"passed": True, "forced_by": params.get("requested_by")}
-    return state
-
-
-def submit_job(engine: Engine, kind: str, params: dict[str, Any], *, actor: str, settings: Settings) -> Job:
-    """Record a job of ``kind`` (a row in the scheduler's job table, state ``PENDING``) and send its
-    Celery tasks; the workers update the row as it runs. :class:`Unavailable` when the broker
-    cannot be reached (the row then says ``FAILURE`` and why)."""
-    from celery import chain
-
-    from scheduler.tasks.base import record
-
-    tasks = JOB_TASKS[kind]
-    job_id = uuid.uuid4().hex
-    state = _chain_state(kind, job_id, {**params, "requested_by": actor})
-    record(engine, job_id, name=tasks[0], state="PENDING", inputs={"args": [state], "kwargs": {}, "job_kind": kind})
-    celery = _celery(settings)
-    first = celery.signature(tasks[0], args=(state,)).set(task_id=job_id)
-    canvas = chain(first, *(celery.signature(t) for t in tasks[1:])) if len(tasks) > 1 else first
     try:
-        canvas.apply_async(retry=True, retry_policy={"max_retries": 2, "interval_start": 0.2, "interval_step": 0.5})
-    except Exception as exc:  # the broker is down or misconfigured: say so, keep the record
-        record(engine, job_id, state="FAILURE", error=f"could not queue: {type(exc).__name__}: {exc}")
-        raise Unavailable(
-            f"the job queue did not accept the job ({type(exc).__name__}); check the Celery broker"
-        ) from exc
+        submit(engine, settings, state)
+    except QueueUnavailable as exc:
+        raise Unavailable(str(exc)) from exc
     with session_factory(engine)() as session:
-        job = get_job(session, job_id)
+        job = get_job(session, state.run_id)
     assert job is not None
     return job
+
+
+def new_state(**values: Any) -> LoopState:
+    """A job's first state (a fresh id unless one is given)."""
+    return LoopState(**{"run_id": new_job_id(), **values})
 
 
 def list_jobs(
     session: Session, *, kind: str | None, state: str | None, limit: int, offset: int
 ) -> tuple[list[Job], int]:
-    """Jobs, newest first, and how many match."""
-    stmt = select(JobRow)
+    """Jobs (not their steps), newest first, and how many match."""
+    stmt = select(JobRow).where(JobRow.id == JobRow.chain_id)
     if kind:
         stmt = stmt.where(JobRow.name == kind)
     if state:
@@ -122,35 +78,40 @@ def list_jobs(
 
 
 def get_job(session: Session, job_id: str) -> Job | None:
-    """One job, or None."""
+    """One job with its steps, or None."""
     row = session.get(JobRow, job_id)
-    return _job(row) if row is not None else None
+    if row is None:
+        return None
+    steps = list(session.scalars(select(JobRow).where(JobRow.chain_id == job_id, JobRow.id != job_id)))
+    order = list((row.inputs or {}).get("steps", []))
+    steps.sort(key=lambda s: order.index(s.id) if s.id in order else len(order))
+    return _job(row, steps)
+
+
+def reap(engine: Engine, settings: Settings) -> None:
+    """Mark steps whose worker died LOST before answering about them (bounded even without beat)."""
+    jobs.reap_lost(engine, settings.scheduler.job_lost_after_s)
 
 
 def cancel_job(engine: Engine, job_id: str, *, actor: str, settings: Settings) -> Job | None:
-    """Revoke a queued or running job; None when there is no such job, :class:`Conflict` when it finished."""
-    with transaction(engine) as session:
-        row = session.get(JobRow, job_id)
-        if row is None:
-            return None
-        if row.state in FINISHED_STATES:
-            raise Conflict(f"job {job_id} already finished ({row.state}); nothing to cancel")
-        row.state = CANCELLED
-        row.finished_at = datetime.now(UTC)
-        row.error = f"cancelled by {actor}"
-        job = _job(row)
-    _revoke(job_id, settings)
-    return job
+    """Cancel a queued or running job; None when there is no such job, :class:`Conflict` when it finished."""
+    from scheduler.loop.submit import cancel
 
-
-def _revoke(job_id: str, settings: Settings) -> None:
-    """Tell the Celery workers to drop the task (remote control needs a broadcast-capable broker:
-    Redis or RabbitMQ; on the SQLAlchemy transport the job row's state is what workers see)."""
-    if settings.scheduler.celery_broker_url:
-        _celery(settings).control.revoke(job_id, terminate=True)
+    found = cancel(engine, settings, job_id, actor)
+    if found is None:
+        return None
+    row, cancelled = found
+    if not cancelled:
+        raise Conflict(f"job {job_id} already finished ({row.state}); nothing to cancel")
+    with session_factory(engine)() as session:
+        return get_job(session, job_id)
 
 
 def job_state_counts(session: Session) -> dict[tuple[str, str], int]:
     """Number of jobs per (kind, state)."""
-    rows = session.execute(select(JobRow.name, JobRow.state, func.count()).group_by(JobRow.name, JobRow.state))
+    rows = session.execute(
+        select(JobRow.name, JobRow.state, func.count())
+        .where(JobRow.id == JobRow.chain_id)
+        .group_by(JobRow.name, JobRow.state)
+    )
     return {(kind, state): n for kind, state, n in rows}

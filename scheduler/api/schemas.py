@@ -64,6 +64,9 @@ class RetrainRequest(BaseModel):
     window_hours: float | None = Field(
         None, gt=0, le=24 * 365, description="Window length ending at `until`, instead of `since`."
     )
+    force: bool = Field(
+        False, description="Retrain even when the triggers see no reason to (a reward-model retrain only)."
+    )
     reason: str = Field("", max_length=500, description="Free text recorded with the job and the audit entry.")
 
 
@@ -95,8 +98,12 @@ class Job(BaseModel):
     started_at: UtcDateTime | None = None
     finished_at: UtcDateTime | None = None
     params: dict[str, Any] = {}
+    """The state the job started with (:class:`scheduler.loop.state.LoopState`)."""
     result: dict[str, Any] = {}
+    """The state its last step handed back (each step's outcome filled in)."""
     error: str | None = None
+    steps: list[dict[str, Any]] = []
+    """Each step: ``name``, ``state``, ``attempts``, ``error``."""
 
 
 class RewardModelVersion(BaseModel):

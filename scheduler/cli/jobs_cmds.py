@@ -57,13 +57,13 @@ def worker(
     concurrency: int = typer.Option(1, min=1),
     beat: bool = typer.Option(False, "--beat", help="Also run celery beat inside the worker."),
 ) -> None:
-    """Run a Celery worker of the loop's tasks (exec's ``celery -A scheduler.celery_app worker``)."""
+    """Run a Celery worker of the loop's tasks (exec's ``celery -A scheduler.loop.app worker``)."""
     args = [
         sys.executable,
         "-m",
         "celery",
         "-A",
-        "scheduler.celery_app",
+        "scheduler.loop.app",
         "worker",
         f"--pool={pool}",
         f"--concurrency={concurrency}",
@@ -84,7 +84,7 @@ def beat() -> None:
         "-m",
         "celery",
         "-A",
-        "scheduler.celery_app",
+        "scheduler.loop.app",
         "beat",
         "--loglevel=INFO",
         f"--schedule={home / 'celerybeat-schedule'}",
@@ -98,13 +98,15 @@ def list_cmd(
     state: str | None = typer.Option(None, help="Only jobs in this state (STARTED, SUCCESS, FAILURE, ...)."),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Recent task runs: state, inputs, outputs, timings."""
+    """Recent jobs: kind, state, the state they carry, timings."""
     from scheduler.cli.common import print_json, setup
+    from scheduler.loop.jobs import list_jobs, reap_lost
     from scheduler.runtime import open_database
-    from scheduler.tasks.base import list_jobs
 
     settings = setup()
-    jobs = list_jobs(open_database(settings), limit=limit, state=state)
+    engine = open_database(settings)
+    reap_lost(engine, settings.scheduler.job_lost_after_s)
+    jobs = list_jobs(engine, limit=limit, state=state)
     if json_out:
         print_json({"jobs": jobs})
         return
@@ -119,8 +121,8 @@ def list_cmd(
 def leases_cmd(json_out: bool = typer.Option(False, "--json")) -> None:
     """Replicas currently borrowed, their holder and expiry."""
     from scheduler.cli.common import print_json, setup
+    from scheduler.loop.leases import active_leases
     from scheduler.runtime import open_database
-    from scheduler.tasks.leases import active_leases
 
     settings = setup()
     rows = active_leases(open_database(settings))
@@ -132,18 +134,42 @@ def leases_cmd(json_out: bool = typer.Option(False, "--json")) -> None:
 
 
 @jobs_app.command("loop")
-def loop_cmd(json_out: bool = typer.Option(False, "--json")) -> None:
-    """Enqueue one turn of the loop (collect -> retrain -> RL update -> snapshot -> canary -> promote)."""
-    from scheduler.celery_app import make_celery
+def loop_cmd(
+    evaluate: bool = typer.Option(False, help="Append the held-out evaluation of the new version."),
+    json_out: bool = typer.Option(False, "--json"),
+) -> None:
+    """Queue one turn of the loop (collect -> retrain -> RL update -> snapshot -> rollout)."""
     from scheduler.cli.common import print_json, setup
-    from scheduler.tasks.loop import loop_chain
+    from scheduler.loop.state import LoopState
+    from scheduler.loop.submit import new_job_id, submit
+    from scheduler.runtime import open_database
 
     settings = setup()
-    result = loop_chain(make_celery(settings)).apply_async()
+    job_id = submit(open_database(settings), settings, LoopState(run_id=new_job_id(), evaluate=evaluate))
     if json_out:
-        print_json({"chain_last_task_id": result.id})
+        print_json({"job_id": job_id})
     else:
-        typer.echo(result.id)
+        typer.echo(job_id)
+
+
+@jobs_app.command("cancel")
+def cancel_cmd(job_id: str, json_out: bool = typer.Option(False, "--json")) -> None:
+    """Cancel a queued or running job (no step of it starts afterwards; a training stops at its next step)."""
+    from scheduler.cli.common import print_json, setup
+    from scheduler.loop.submit import cancel
+    from scheduler.runtime import open_database
+
+    settings = setup()
+    found = cancel(open_database(settings), settings, job_id, "cli")
+    if found is None:
+        raise SystemExit(f"no job {job_id!r}; list them with `undertow jobs list`")
+    row, cancelled = found
+    if json_out:
+        print_json({"job_id": job_id, "state": row.state, "cancelled": cancelled})
+    elif cancelled:
+        typer.echo(f"{job_id} cancelled")
+    else:
+        raise SystemExit(f"job {job_id} already finished ({row.state}); nothing to cancel")
 
 
 def register(app: typer.Typer) -> None:

@@ -56,12 +56,12 @@ def build_report(
     engine = stack.engine
     online = stack.gateway.metrics().get("versions", {}) if stack.gateway is not None else {}
     deployments = _deployments(engine)
-    by_version = {o["state"]["rl_update"]["version"]: o for o in outcomes if "state" in o and "rl_update" in o["state"]}
+    by_version = {o["state"]["rl_update"]["version"]: o for o in outcomes if (o.get("state") or {}).get("rl_update")}
     versions = []
     for row in list_versions(engine):
         m = row.metrics or {}
         outcome = by_version.get(row.version_id, {})
-        rm = outcome.get("state", {}).get("reward_model", {})
+        rm = outcome.get("state", {}).get("reward_model") or {}
         dep = deployments.get(row.version_id)
         live = online.get(row.version_id, {})
         versions.append(

@@ -113,13 +113,13 @@ class Orchestrator:
     """Submits loop chains when there is new data and collects their outcomes."""
 
     def __init__(self, settings: Settings, stack: Any, opts: DemoOptions) -> None:
-        from scheduler.celery_app import make_celery
+        from scheduler.loop.submit import producer
 
         self.settings = settings
         self.stack = stack
         self.opts = opts
-        self.celery = make_celery(settings)
-        self.inflight: Any = None
+        self.celery = producer(settings)
+        self.inflight: str | None = None
         self.inflight_kind = ""
         self.inflight_since = 0.0
         self.groups_at_submit = 0
@@ -141,32 +141,44 @@ class Orchestrator:
             return int(conn.scalar(select(func.count(func.distinct(SessionRow.group_id)))) or 0)
 
     def submit(self, kind: str) -> None:
-        from scheduler.tasks.loop import loop_chain
+        from scheduler.loop.state import LoopState, RLInputs
+        from scheduler.loop.submit import submit
 
-        inputs: dict[str, Any] = {
-            "groups_per_step": self.opts.groups_per_step,
-            "eval": {"per_tier": self.opts.eval_per_tier, "samples_per_task": self.opts.eval_samples},
-        }
+        rl = RLInputs(
+            groups_per_step=self.opts.groups_per_step,
+            eval={"per_tier": self.opts.eval_per_tier, "samples_per_task": self.opts.eval_samples},
+        )
         if kind == "drill":
-            inputs.update(lr=self.opts.drill_lr, label="gate drill")
+            rl = rl.model_copy(update={"lr": self.opts.drill_lr, "label": "gate drill"})
         run_id = f"{kind}-{uuid.uuid4().hex[:6]}"
-        self.inflight = loop_chain(self.celery, run_id=run_id, evaluate=True, **inputs).apply_async()
+        state = LoopState(run_id=run_id, kind="loop", evaluate=True, rl=rl, requested_by="demo")
+        self.inflight = submit(self.stack.engine, self.settings, state, celery=self.celery)
         self.inflight_kind, self.inflight_since = kind, time.monotonic()
         self.groups_at_submit = self.groups()
         log.info("demo.chain_submitted", kind=kind, run_id=run_id)
 
     def poll(self, accepting: bool) -> str:
-        """Collect a finished chain; submit the next one when there is enough new data."""
+        """Collect a finished job; submit the next one when there is enough new data."""
+        from sqlalchemy import select
+
+        from scheduler.loop.jobs import FINISHED, reap_lost
+        from scheduler.tables import JobRow
+
         if self.inflight is not None:
-            if not self.inflight.ready():
+            reap_lost(self.stack.engine, self.settings.scheduler.job_lost_after_s)
+            with self.stack.engine.connect() as conn:
+                row = conn.execute(
+                    select(JobRow.state, JobRow.outputs, JobRow.error).where(JobRow.id == self.inflight)
+                ).one()
+            if row.state not in FINISHED:
                 return f"{self.inflight_kind} update running ({time.monotonic() - self.inflight_since:.0f} s)"
             outcome: dict[str, Any] = {"kind": self.inflight_kind, "seconds": time.monotonic() - self.inflight_since}
-            try:
-                outcome["state"] = self.inflight.get(timeout=5, propagate=True)
-                if outcome["state"].get("canary", {}).get("passed"):
+            if row.state == "SUCCESS":
+                outcome["state"] = dict(row.outputs or {})
+                if (outcome["state"].get("deployment") or {}).get("status") == "succeeded":
                     self.promoted += 1
-            except Exception as exc:  # a failed chain is reported, the demo goes on
-                outcome["error"] = f"{type(exc).__name__}: {exc}"
+            else:  # a failed job is reported, the demo goes on
+                outcome["error"] = f"{row.state}: {row.error}"
             self.outcomes.append(outcome)
             self.inflight = None
         if not accepting:

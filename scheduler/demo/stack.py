@@ -64,14 +64,14 @@ def v0_cache(settings: Settings, cache_root: Path, *, sft_steps: int, eval_cfg: 
 
 
 class CeleryWorker:
-    """``celery -A scheduler.celery_app worker --pool=solo`` in its own process group."""
+    """``celery -A scheduler.loop.app worker --pool=solo`` in its own process group."""
 
     def __init__(self, log_path: Path) -> None:
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> CeleryWorker:
-        cmd = [sys.executable, "-m", "celery", "-A", "scheduler.celery_app", "worker", "--pool=solo"]
+        cmd = [sys.executable, "-m", "celery", "-A", "scheduler.loop.app", "worker", "--pool=solo"]
         cmd += ["--loglevel=INFO", "--without-gossip", "--without-mingle", "--without-heartbeat", "-n", "demo@%h"]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         out = self.log_path.open("ab")

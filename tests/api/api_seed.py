@@ -259,7 +259,7 @@ def seed_reward_models(engine: Engine, home: Path, end: datetime) -> list[str]:
 def seed_borrowing(engine: Engine, start: datetime, end: datetime) -> int:
     """Borrow windows in the quiet hours of each night (00:30-05:30 UTC), written through the
     scheduler's event log; the last window is still open when it has not ended yet."""
-    from scheduler.tasks.leases import log_event
+    from scheduler.loop.leases import log_event
 
     windows = 0
     day = start.replace(hour=0, minute=30, second=0, microsecond=0)
@@ -276,7 +276,7 @@ def seed_borrowing(engine: Engine, start: datetime, end: datetime) -> int:
 
 def seed_jobs(engine: Engine, now: datetime) -> list[str]:
     """Finished, failed and running jobs, recorded through the scheduler's job table writer."""
-    from scheduler.tasks.base import record
+    from scheduler.loop.jobs import record
 
     specs = [
         ("undertow.retrain", "SUCCESS", 50.0, 0.2),

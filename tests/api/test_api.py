@@ -4,6 +4,7 @@ matches what was stored, filters, redaction of prompts and code, hostile input."
 from __future__ import annotations
 
 import uuid
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -290,7 +291,7 @@ def test_rate_limit_per_token(app_factory, tokens: dict[str, str]) -> None:  # t
         assert c.get("/static/style.css").status_code == 200
 
 
-def test_retrains_and_rollouts_queue_real_celery_messages(
+def test_retrains_and_rollouts_queue_typed_jobs_on_real_celery_messages(
     client: TestClient, tokens: dict[str, str], api_engine: Engine
 ) -> None:
     from sqlalchemy import text
@@ -304,23 +305,27 @@ def test_retrains_and_rollouts_queue_real_celery_messages(
     )
     assert r.status_code == 202, r.text
     job = r.json()
-    assert job["kind"] == "undertow.retrain" and job["state"] == "PENDING"
-    state = job["params"]["args"][0]
-    assert state["force"] and state["requested_by"] == "test-operator" and state["reason"] == "drift"
+    assert job["kind"] == "reward_model_retrain" and job["state"] == "PENDING"
+    state = job["params"]  # the typed LoopState its first step receives
+    assert state["force"] is False and state["requested_by"] == "test-operator" and state["reason"] == "drift"
+    since, until = (datetime.fromisoformat(state["window"][k]) for k in ("since", "until"))
+    assert until - since == timedelta(hours=24)
+    assert [s["name"] for s in job["steps"]] == ["undertow.retrain"] and job["steps"][0]["state"] == "PENDING"
     assert client.get(f"/api/v1/jobs/{job['id']}", headers=viewer).json()["id"] == job["id"]
     rl = client.post("/api/v1/retrains", json={"kind": "rl_run", "since": "2026-01-01T00:00:00Z"}, headers=op).json()
-    assert rl["kind"] == "undertow.rl_update" and rl["params"]["args"][0]["since"].startswith("2026-01-01")
+    assert rl["kind"] == "rl_update" and rl["params"]["window"]["since"].startswith("2026-01-01")
+    assert [s["name"] for s in rl["steps"]] == ["undertow.rl_update", "undertow.snapshot", "undertow.rollout"]
     rollout = client.post("/api/v1/deployments", json={"version": "v3", "pool": "default"}, headers=op)
-    assert rollout.status_code == 202 and rollout.json()["params"]["args"][0]["policy_version"] == "v3"
+    assert rollout.status_code == 202 and rollout.json()["params"]["version"] == "v3"
     promote = client.post("/api/v1/deployments/2/promote", json={"reason": "canary is fine"}, headers=op).json()
-    assert promote["params"]["args"][0]["canary"]["passed"] is True
+    assert promote["kind"] == "promote" and promote["params"]["deployment_id"] == 2
     back = client.post("/api/v1/deployments/2/rollback", headers=op).json()
-    assert back["params"]["args"][0]["back_to"] == "v2"
+    assert back["kind"] == "rollback" and back["params"]["version"] == "v2"
     page = client.get("/api/v1/jobs", params={"limit": 500}, headers=viewer).json()
     assert page["total"] == jobs_before + 5
     mine = {j["id"] for j in page["items"]} & {job["id"], rl["id"], rollout.json()["id"], promote["id"], back["id"]}
     assert len(mine) == 5
-    retrains = client.get("/api/v1/jobs", params={"kind": "undertow.retrain", "limit": 500}, headers=viewer).json()
+    retrains = client.get("/api/v1/jobs", params={"kind": "reward_model_retrain", "limit": 500}, headers=viewer).json()
     assert job["id"] in {j["id"] for j in retrains["items"]} and rl["id"] not in {j["id"] for j in retrains["items"]}
     # Each job's first task is a message waiting on the broker (the SQLAlchemy transport on this database).
     with api_engine.connect() as conn:
@@ -328,7 +333,7 @@ def test_retrains_and_rollouts_queue_real_celery_messages(
     cancelled = client.post(f"/api/v1/jobs/{job['id']}/cancel", json={"reason": "wrong window"}, headers=op)
     assert cancelled.status_code == 200 and cancelled.json()["state"] == "REVOKED"
     assert client.post(f"/api/v1/jobs/{job['id']}/cancel", headers=op).status_code == 409
-    assert 'undertow_jobs{kind="undertow.retrain",state="REVOKED"}' in client.get("/metrics").text
+    assert 'undertow_jobs{kind="reward_model_retrain",state="REVOKED"}' in client.get("/metrics").text
     audit = client.get("/api/v1/audit", params={"action": "retrain.create"}, headers=op).json()["items"]
     accepted = [e for e in audit if e["status_code"] == 202]
     assert {e["detail"]["job_id"] for e in accepted} == {job["id"], rl["id"]}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -15,10 +14,12 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
+# The API end-to-end tests build weight versions and seed telemetry with the serving and API tests' helpers.
+sys.path += [str(REPO / "tests" / "serving"), str(REPO / "tests" / "api")]
 
 
 def make_env(root: Path) -> dict[str, str]:
-    """Environment of a scheduler home on SQLite wired to the test fleet, trainer and deploy steps."""
+    """Environment of a scheduler home on SQLite wired to the test fleet and trainer (the two override points)."""
     from ingest.db import upgrade
 
     home = root / "home"
@@ -33,9 +34,8 @@ def make_env(root: Path) -> dict[str, str]:
         "UNDERTOW_DATABASE_URL": url,
         "UNDERTOW_SCHEDULER__FLEET_CONTROL": "sched_support:fleet",
         "UNDERTOW_SCHEDULER__RL_TRAINER": "sched_support:trainer",
-        "UNDERTOW_SCHEDULER__STEPS": json.dumps(
-            {n: f"sched_support:{n}" for n in ("snapshot", "canary", "promote", "rollback")}
-        ),
+        "UNDERTOW_SCHEDULER__JOB_HEARTBEAT_S": "0.5",
+        "UNDERTOW_SCHEDULER__JOB_LOST_AFTER_S": "4",
         "UNDERTOW_SCHEDULER__LEASE_TTL_S": "3",
         "UNDERTOW_SCHEDULER__PREEMPT_RESUME_S": "0.5",
         "UNDERTOW_SCHEDULER__CHECKPOINT_EVERY_STEPS": "5",
@@ -51,7 +51,7 @@ def sched_env(tmp_path: Path) -> dict[str, str]:
 
 
 class Worker:
-    """A ``celery -A scheduler.celery_app worker --pool=solo`` subprocess in its own process group."""
+    """A ``celery -A scheduler.loop.app worker --pool=solo`` subprocess in its own process group."""
 
     def __init__(self, env: dict[str, str], log: Path, name: str, queues: str = "celery") -> None:
         full = {**os.environ, **env, "PYTHONPATH": os.pathsep.join([str(HERE), str(REPO)])}
@@ -62,7 +62,7 @@ class Worker:
                 "-m",
                 "celery",
                 "-A",
-                "scheduler.celery_app",
+                "scheduler.loop.app",
                 "worker",
                 "--pool=solo",
                 "--loglevel=INFO",

@@ -138,37 +138,19 @@ class ToyTrainer:
         return h.hexdigest()
 
     def result(self) -> dict[str, Any]:
-        return {"weights_sha256": self.digest(), "steps": self.i, "checkpoint": f"toy-{self.digest()[:12]}"}
+        digest = self.digest()
+        return {
+            "version": f"toy-{digest[:12]}",
+            "checkpoint": f"toy-{digest[:12]}",
+            "metrics": {"weights_sha256": digest, "steps": self.i},
+        }
 
 
-def trainer(settings: Any, state: dict[str, Any]) -> ToyTrainer:
+def trainer(settings: Any, state: Any) -> ToyTrainer:
+    """The ``scheduler.rl_trainer`` override: steps from the job, sleep and seed from ``rl.extra``."""
     torch.set_num_threads(1)
-    return ToyTrainer(int(state.get("steps", 20)), float(state.get("step_sleep_s", 0.0)), int(state.get("seed", 0)))
-
-
-def snapshot(settings: Any, engine: Any, state: dict[str, Any]) -> dict[str, Any]:
-    return {"policy_version": "v-" + state["rl_update"]["weights_sha256"][:12]}
-
-
-def canary(settings: Any, engine: Any, state: dict[str, Any]) -> dict[str, Any]:
-    passed = not state.get("fail_canary", False)
-    _log(settings, "canary", state["policy_version"])
-    return {"canary": {"passed": passed, "version": state["policy_version"]}}
-
-
-def promote(settings: Any, engine: Any, state: dict[str, Any]) -> dict[str, Any]:
-    _log(settings, "promote", state["policy_version"])
-    return {"promoted": state["policy_version"]}
-
-
-def rollback(settings: Any, engine: Any, state: dict[str, Any]) -> dict[str, Any]:
-    _log(settings, "rollback", state["policy_version"])
-    return {"rolled_back": state["policy_version"]}
-
-
-def _log(settings: Any, what: str, version: str) -> None:
-    with open(Path(settings.home) / "deploy.log", "a") as fh:
-        fh.write(f"{what} {version} {os.getpid()}\n")
+    extra = state.rl.extra
+    return ToyTrainer(state.rl.steps or 20, float(extra.get("step_sleep_s", 0.0)), int(extra.get("seed", 0)))
 
 
 def settings_for(env: dict[str, str], **extra: Any) -> Any:

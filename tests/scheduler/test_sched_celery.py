@@ -1,6 +1,8 @@
-"""The loop on a REAL Celery worker subprocess (``--pool=solo``) over the embedded SQLite broker:
-the chain end to end, preemption mid-training with an exact resume, and a killed worker whose
-lease expires so the replica comes back. Redis and RabbitMQ brokers run a round trip too."""
+"""The loop's tasks on a REAL Celery worker subprocess (``--pool=solo``) over the embedded SQLite
+broker, with the test fleet and the toy trainer (the two override points): preemption mid-training
+with an exact resume, a cancelled job whose training checkpoints and stops and whose later steps
+never run, and a killed worker whose lease expires so the replica comes back. Redis and RabbitMQ
+brokers run a round trip too."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from sched_support import FileFleet, ToyTrainer, settings_for, wait_for
 from sqlalchemy import select
 
@@ -53,69 +56,49 @@ def _uninterrupted(steps: int, seed: int = 0) -> str:
     return t.digest()
 
 
-def test_loop_chain_runs_end_to_end_on_a_real_worker(shared: dict[str, str]) -> None:
-    from scheduler.celery_app import make_celery
-    from scheduler.tasks.loop import loop_chain
+def _rl_state(run_id: str, steps: int, **extra: Any) -> dict[str, Any]:
+    from scheduler.loop.state import LoopState, RLInputs
 
-    sched_env = shared
-    settings = settings_for(sched_env)
-    engine = _engine(sched_env)
-    result = loop_chain(make_celery(settings), run_id="run-1", steps=12).apply_async()
-    final = result.get(timeout=120)
-    chain_id = result.parent.parent.parent.parent.parent.id
-    assert final["run_id"] == "run-1"
-    assert final["ingest"] == {"sessions": 0, "signals": 0, "dead_letters": 0}
-    assert final["reward_model"]["retrained"] is False  # an empty database has nothing to train on
-    assert final["rl_update"]["weights_sha256"] == _uninterrupted(12)
-    assert final["promoted"] == final["policy_version"]
-    jobs = _jobs(engine, chain_id)
-    names = [j.name for j in jobs]
-    assert names == [f"undertow.{n}" for n in ("collect", "retrain", "rl_update", "snapshot", "canary", "promote")]
-    assert {j.state for j in jobs} == {"SUCCESS"}
-    assert len({j.chain_id for j in jobs}) == 1
-    assert all(j.duration_s is not None and j.duration_s >= 0 and j.outputs for j in jobs)
-    # The borrowed replica went drain -> sleep -> wake -> rejoin and is serving again.
-    fleet = FileFleet(Path(sched_env["UNDERTOW_HOME"])).read()
-    rl_job = jobs[2]
-    lent = _events(engine, "lent", holder=rl_job.id)[0].replica_id
-    calls = [c[0] for c in fleet["calls"] if c[1] == lent]
-    assert calls[-4:] == ["drain", "sleep", "wake", "rejoin"]
-    assert fleet["replicas"][lent]["state"] == "serving"
-    events = [e.event for e in _events(engine, holder=rl_job.id)]
-    assert events == [
-        "lent",
-        "state:sleeping",
-        "state:lent",
-        "state:checkpointing",
-        "state:waking",
-        "state:verifying",
-        "returned",
-    ]
+    return LoopState(run_id=run_id, rl=RLInputs(steps=steps, extra=extra)).wire()
 
 
-def test_failed_canary_rolls_back(shared: dict[str, str]) -> None:
-    from scheduler.celery_app import make_celery
-    from scheduler.tasks.loop import loop_chain
+def test_cancel_stops_the_running_training_and_the_steps_after_it(shared: dict[str, str]) -> None:
+    from scheduler.loop import leases
+    from scheduler.loop.state import LoopState, RLInputs
+    from scheduler.loop.submit import cancel, submit
 
-    sched_env = shared
-    final = loop_chain(make_celery(settings_for(sched_env)), steps=3, fail_canary=True).apply_async().get(timeout=120)
-    assert final["canary"]["passed"] is False
-    assert final["rolled_back"] == final["policy_version"]
-    log = (Path(sched_env["UNDERTOW_HOME"]) / "deploy.log").read_text().splitlines()
-    mine = [line.split()[0] for line in log if line.split()[1] == final["policy_version"]]
-    assert mine == ["canary", "rollback"]
+    settings = settings_for(shared)
+    engine = _engine(shared)
+    state = LoopState(run_id="cancel-1", kind="loop", rl=RLInputs(steps=10_000, extra={"step_sleep_s": 0.05}))
+    job_id = submit(engine, settings, state)
+    wait_for(lambda: [x for x in leases.active_leases(engine) if x["state"] == "lent"], what="training on a replica")
+    time.sleep(3.0)  # some training steps
+    row, cancelled = cancel(engine, settings, job_id, "test")
+    assert cancelled and row.state == "REVOKED"
+    checkpoint = Path(shared["UNDERTOW_HOME"]) / "checkpoints" / "cancel-1.ckpt"
+    wait_for(lambda: not leases.active_leases(engine) and checkpoint.exists(), timeout=60, what="training stopped")
+    time.sleep(2.0)  # a later step would have started by now
+    steps = _jobs(engine, job_id)
+    by_name = {r.name: r for r in steps if r.id != job_id}
+    assert by_name["undertow.collect"].state == "SUCCESS" and by_name["undertow.retrain"].state == "SUCCESS"
+    assert by_name["undertow.rl_update"].state == "REVOKED"
+    for later in ("undertow.snapshot", "undertow.rollout"):
+        assert by_name[later].state == "REVOKED" and by_name[later].started_at is None  # never ran
+    assert by_name["undertow.rl_update"].started_at is not None  # it was running when cancelled
+    assert torch.load(checkpoint, weights_only=True)["i"] > 0  # and saved the steps it had made
+    assert next(r for r in steps if r.id == job_id).state == "REVOKED"
 
 
 def test_preemption_hands_back_in_time_and_resumes_to_the_same_result(shared: dict[str, str]) -> None:
-    from scheduler.celery_app import make_celery
-    from scheduler.tasks import leases
+    from scheduler.loop import leases
+    from scheduler.loop.app import make_celery
 
     sched_env = shared
     settings = settings_for(sched_env)
     engine = _engine(sched_env)
     steps = 40
     res = make_celery(settings).send_task(
-        "undertow.rl_update", args=({"run_id": "pre-1", "steps": steps, "step_sleep_s": 0.1, "seed": 3},)
+        "undertow.rl_update", args=(_rl_state("pre-1", steps, step_sleep_s=0.1, seed=3),)
     )
     lease = wait_for(lambda: [x for x in leases.active_leases(engine) if x["state"] == "lent"], what="a lent replica")
     time.sleep(1.0)  # a few training steps
@@ -128,15 +111,15 @@ def test_preemption_hands_back_in_time_and_resumes_to_the_same_result(shared: di
     assert handed_back.at.timestamp() - asked_at < deadline_s
     out = res.get(timeout=120)
     assert out["rl_update"]["resumed"] is True
-    assert out["rl_update"]["weights_sha256"] == _uninterrupted(steps, seed=3)
+    assert out["rl_update"]["metrics"]["weights_sha256"] == _uninterrupted(steps, seed=3)
     job = next(j for j in _jobs(engine) if j.id == res.id)
     assert job.state == "SUCCESS" and job.attempts >= 2
     assert leases.active_leases(engine) == []
 
 
 def test_killed_worker_lease_expires_and_replica_returns(shared: dict[str, str], start_worker: Any) -> None:
-    from scheduler.celery_app import make_celery
-    from scheduler.tasks import leases
+    from scheduler.loop import leases
+    from scheduler.loop.app import make_celery
 
     sched_env = shared
     w1 = start_worker(sched_env, "doomed", queues="doomed")
@@ -144,7 +127,7 @@ def test_killed_worker_lease_expires_and_replica_returns(shared: dict[str, str],
     engine = _engine(sched_env)
     celery = make_celery(settings)
     sent = celery.send_task(
-        "undertow.rl_update", args=({"run_id": "kill-1", "steps": 10_000, "step_sleep_s": 0.05},), queue="doomed"
+        "undertow.rl_update", args=(_rl_state("kill-1", 10_000, step_sleep_s=0.05),), queue="doomed"
     )
     held = wait_for(lambda: [x for x in leases.active_leases(engine) if x["state"] == "lent"], what="a lent replica")
     w1.kill()
@@ -175,20 +158,20 @@ def test_production_brokers_round_trip(
 ) -> None:
     if not _port_open(port):
         pytest.skip(f"no broker listening on 127.0.0.1:{port}")
-    from scheduler.celery_app import make_celery
+    from scheduler.loop.app import make_celery
 
     queue = f"undertow-test-{tmp_path.name}"
     env = {**sched_env, "UNDERTOW_SCHEDULER__CELERY_BROKER_URL": broker}
     start_worker(env, "prod", queues=queue)
     celery = make_celery(settings_for(env))
-    out = celery.send_task("undertow.collect", args=({"run_id": "b"},), queue=queue).get(timeout=60)
+    out = celery.send_task("undertow.collect", args=(_rl_state("b", 1),), queue=queue).get(timeout=60)
     assert out["ingest"]["sessions"] == 0
     assert _jobs(_engine(sched_env))[0].state == "SUCCESS"
 
 
 def test_beat_planning_recalls_what_a_pool_can_no_longer_lend(shared: dict[str, str]) -> None:
-    from scheduler.celery_app import make_celery
-    from scheduler.tasks import leases
+    from scheduler.loop import leases
+    from scheduler.loop.app import make_celery
 
     engine = _engine(shared)
     fleet = FileFleet(Path(shared["UNDERTOW_HOME"]))
@@ -228,4 +211,54 @@ def test_jobs_list_cli_shows_the_runs(shared: dict[str, str], tmp_path: Path) ->
     assert out.returncode == 0, out.stderr
     jobs = json.loads(out.stdout.strip().splitlines()[-1])["jobs"]
     assert jobs and {"id", "name", "state", "inputs", "outputs", "duration_s"} <= set(jobs[0])
-    assert any(j["name"] == "undertow.rl_update" and j["state"] == "SUCCESS" for j in jobs)
+    assert any(j["name"] == "undertow.rl_update" and j["state"] == "SUCCESS" for j in jobs)  # a task sent alone
+    assert any(j["name"] == "loop" and j["state"] == "REVOKED" for j in jobs)  # the cancelled job
+
+
+@pytest.mark.parametrize(
+    ("broker", "port"),
+    [(None, None), ("redis://127.0.0.1:6379/14", 6379), ("amqp://guest:guest@127.0.0.1:5672//", 5672)],
+    ids=["sqlalchemy", "redis", "rabbitmq"],
+)
+def test_worker_killed_mid_step_is_redelivered_or_marked_lost(
+    sched_env: dict[str, str], start_worker: Any, broker: str | None, port: int | None, tmp_path: Path
+) -> None:
+    """SIGKILL the worker mid-training: Redis and RabbitMQ hand the step to the next worker, which
+    resumes from the checkpoint to exactly the uninterrupted result; the SQLAlchemy transport never
+    redelivers, and the step is marked LOST within the configured bound."""
+    if port is not None and not _port_open(port):
+        pytest.skip(f"no broker listening on 127.0.0.1:{port}")
+    from scheduler.loop.app import make_celery
+
+    queue = f"undertow-kill-{tmp_path.name}"
+    env = {**sched_env, "UNDERTOW_SCHEDULER__LONGEST_STEP_S": "2"}  # Redis visibility timeout: 2 + 4 s
+    if broker:
+        env["UNDERTOW_SCHEDULER__CELERY_BROKER_URL"] = broker
+    engine = _engine(env)
+    doomed = start_worker(env, "doomed", queues=queue)
+    celery = make_celery(settings_for(env))
+    steps = 60
+    sent = celery.send_task(
+        "undertow.rl_update", args=(_rl_state("kill-2", steps, step_sleep_s=0.05, seed=5),), queue=queue
+    )
+    checkpoint = Path(env["UNDERTOW_HOME"]) / "checkpoints" / "kill-2.ckpt"
+    wait_for(checkpoint.exists, timeout=60, every=0.05, what="a periodic checkpoint")
+    doomed.kill()
+    killed_at = time.time()
+    start_worker(env, "heir", queues=queue)
+    lost_after = float(env["UNDERTOW_SCHEDULER__JOB_LOST_AFTER_S"])
+    if broker is None:
+
+        def lost() -> bool:
+            celery.send_task("undertow.reap_jobs", queue=queue)  # what celery beat sends
+            return _jobs(engine, sent.id)[0].state == "LOST"
+
+        wait_for(lost, timeout=60, every=1.0, what="the step marked LOST")
+        assert time.time() - killed_at < lost_after + 10
+        assert "no sign of life" in (_jobs(engine, sent.id)[0].error or "")
+        return
+    out = sent.get(timeout=120)
+    row = _jobs(engine, sent.id)[0]
+    assert row.state == "SUCCESS" and row.attempts >= 2
+    assert out["rl_update"]["resumed"] is True
+    assert out["rl_update"]["metrics"]["weights_sha256"] == _uninterrupted(steps, seed=5)

@@ -13,11 +13,11 @@ from sched_support import FileFleet
 from sqlalchemy import select
 
 from ingest.db import transaction
+from scheduler.loop import leases
+from scheduler.loop.borrowing import VersionMismatch, give_back, lend, reap
+from scheduler.loop.jobs import list_jobs, mark_lost, record
 from scheduler.planner.borrow import IllegalTransition, ReplicaState
 from scheduler.tables import BorrowEventRow, JobRow
-from scheduler.tasks import leases
-from scheduler.tasks.base import list_jobs, mark_lost, record
-from scheduler.tasks.borrowing import VersionMismatch, give_back, lend, reap
 
 
 @pytest.fixture

@@ -1,7 +1,9 @@
 """Deployments: the version each pool serves, rollouts, promotion and rollback.
 
 Starting a rollout, promoting and rolling back are jobs for the scheduler's Celery workers
-(they talk to replicas for minutes); the call answers 202 with the job to follow.
+(they talk to replicas for minutes); the call answers 202 with the job to follow. Promoting or
+rolling back a running rollout also asks its deployer at once (:func:`serving.actions.request`), so
+it acts at its next gate even while every worker is busy.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from fastapi import APIRouter, HTTPException, Path, Query, Request, status
 from scheduler.api import queue, sources
 from scheduler.api.deps import EngineDep, OperatorDep, SessionDep, ViewerDep, audit
 from scheduler.api.schemas import NAME_PATTERN, ActionRequest, Deployment, Job, Page, PoolStatus, RolloutRequest
+from scheduler.loop.state import LoopState
+from serving import actions
 
 router = APIRouter(prefix="/deployments", tags=["deployments"])
 
@@ -53,12 +57,12 @@ def get_deployment(_: ViewerDep, session: SessionDep, deployment_id: DeploymentP
     return _get(session, deployment_id)
 
 
-def _submit(request: Request, engine: EngineDep, kind: str, params: dict[str, object], actor: str) -> Job:
+def _submit(request: Request, engine: EngineDep, state: LoopState, action: str) -> Job:
     try:
-        job = queue.submit_job(engine, kind, params, actor=actor, settings=request.app.state.settings)
+        job = queue.submit_job(engine, state, settings=request.app.state.settings)
     except sources.Unavailable as exc:
         raise HTTPException(503, str(exc)) from exc
-    audit(request, f"deployment.{kind}", job_id=job.id, **params)
+    audit(request, f"deployment.{action}", job_id=job.id, version=state.version, pool=state.pool)
     return job
 
 
@@ -66,8 +70,10 @@ def _submit(request: Request, engine: EngineDep, kind: str, params: dict[str, ob
 def start_rollout(request: Request, principal: OperatorDep, engine: EngineDep, body: RolloutRequest) -> Job:
     """Roll ``version`` out to ``pool``: canary first, gated stages after, automatic rollback on a failed gate."""
     audit(request, "deployment.rollout")
-    params: dict[str, object] = {"version": body.version, "pool": body.pool, "reason": body.reason}
-    return _submit(request, engine, "rollout", params, principal.name)
+    state = queue.new_state(
+        kind="rollout", version=body.version, pool=body.pool, reason=body.reason, requested_by=principal.name
+    )
+    return _submit(request, engine, state, "rollout")
 
 
 @router.post(
@@ -86,9 +92,17 @@ def promote(
     dep = _get(session, deployment_id)
     if dep.status != "running":
         raise HTTPException(409, f"deployment {deployment_id} is {dep.status}; only a running rollout can be promoted")
-    params: dict[str, object] = {"deployment_id": deployment_id, "pool": dep.pool, "version": dep.to_version}
-    params["reason"] = body.reason if body else ""
-    return _submit(request, engine, "promote", params, principal.name)
+    # The running deployer acts at its next gate even when every worker is busy; the job confirms it.
+    actions.request(engine, deployment_id, "promote")
+    state = queue.new_state(
+        kind="promote",
+        deployment_id=deployment_id,
+        pool=dep.pool,
+        version=dep.to_version,
+        reason=body.reason if body else "",
+        requested_by=principal.name,
+    )
+    return _submit(request, engine, state, "promote")
 
 
 @router.post("/{deployment_id}/rollback", response_model=Job, status_code=status.HTTP_202_ACCEPTED, summary="Roll back")
@@ -105,7 +119,13 @@ def rollback(
     dep = _get(session, deployment_id)
     if dep.status == "rolled_back":
         raise HTTPException(409, f"deployment {deployment_id} is already rolled back")
-    params: dict[str, object] = {"deployment_id": deployment_id, "pool": dep.pool, "version": dep.to_version}
-    params["back_to"] = dep.from_version
-    params["reason"] = body.reason if body else ""
-    return _submit(request, engine, "rollback", params, principal.name)
+    actions.request(engine, deployment_id, "rollback")
+    state = queue.new_state(
+        kind="rollback",
+        deployment_id=deployment_id,
+        pool=dep.pool,
+        version=dep.from_version,
+        reason=body.reason if body else "",
+        requested_by=principal.name,
+    )
+    return _submit(request, engine, state, "rollback")

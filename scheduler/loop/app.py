@@ -1,6 +1,6 @@
 """The Celery app: brokers, reliability settings and the beat schedule, built from settings.
 
-``celery -A scheduler.celery_app worker --pool=solo`` finds the module-level :data:`app`, whose
+``celery -A scheduler.loop.app worker --pool=solo`` finds the module-level :data:`app`, whose
 configuration is read lazily (on first use, from ``UNDERTOW_*`` and ``undertow.toml``), so
 importing this module builds nothing. Code that holds its own :class:`Settings` calls
 :func:`make_celery` instead.
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     from scheduler.settings import Settings
 
-TASK_MODULES = ["scheduler.tasks.loop"]
+TASK_MODULES = ["scheduler.loop.tasks"]
 
 
 def broker_url(settings: Settings) -> str:
@@ -63,8 +63,12 @@ def celery_config(settings: Settings) -> dict[str, Any]:
                 "task": "undertow.reap_leases",
                 "schedule": min(cfg.planning_interval_s, cfg.lease_ttl_s / 2),
             },
+            "reap-jobs": {"task": "undertow.reap_jobs", "schedule": cfg.job_lost_after_s / 2},
         },
     }
+    if conf["broker_url"].startswith(("redis", "rediss", "sentinel")):
+        # Only Redis reads it (the SQLAlchemy transport hands its options to ``create_engine``).
+        conf["broker_transport_options"] = {"visibility_timeout": cfg.longest_step_s + cfg.job_lost_after_s}
     return conf
 
 

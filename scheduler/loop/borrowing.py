@@ -1,9 +1,11 @@
 """Borrowing through the serving fleet: lend a replica (lease, drain, sleep) and return it (wake,
 verify the weights version, rejoin, release the lease), following the borrowing state machine.
 
-The fleet is reached through :class:`FleetControl`, built by the factory named in
-``SchedulerConfig.fleet_control`` (``module:function`` taking the settings). The scheduler never
-knows how the serving layer drains or wakes a replica; the serving layer never knows who borrows.
+The fleet is reached through :class:`FleetControl`. The default is the serving registry's
+(:func:`registry_fleet`, :class:`serving.control.RegistryFleet`); ``SchedulerConfig.fleet_control``
+names another factory (``module:function`` taking the settings), the documented override point for
+a fleet the registry does not manage. The scheduler never knows how the serving layer drains or
+wakes a replica; the serving layer never knows who borrows.
 """
 
 from __future__ import annotations
@@ -13,14 +15,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
+from scheduler.loop import jobs, leases
 from scheduler.planner.borrow import ReplicaState, return_path
-from scheduler.tasks import leases
 
 if TYPE_CHECKING:
     import numpy as np
     from sqlalchemy.engine import Engine
 
     from scheduler.settings import Settings
+    from serving.control import RegistryFleet
 
 log = structlog.get_logger(__name__)
 
@@ -69,8 +72,22 @@ def resolve(path: str) -> Any:
 
 
 def fleet_control(settings: Settings) -> FleetControl:
-    """The fleet named by ``settings.scheduler.fleet_control``."""
+    """The fleet named by ``settings.scheduler.fleet_control`` (default: :func:`registry_fleet`)."""
     return resolve(settings.scheduler.fleet_control)(settings)  # type: ignore[no-any-return]
+
+
+def registry_fleet(settings: Settings) -> RegistryFleet:
+    """The fleet of the serving registry in the configured database."""
+    from ingest.db import make_engine
+    from serving.control import RegistryFleet
+
+    return RegistryFleet(
+        make_engine(settings.resolved_database_url),
+        refresh_s=settings.serving.gateway.fleet_refresh_s,
+        pause_timeout_s=settings.serving.deploy.pause_timeout_s,
+        clock_speedup=settings.scheduler.clock_speedup,
+        latency_slo_s=settings.scheduler.latency_slo_s,
+    )
 
 
 def lend(
@@ -128,8 +145,6 @@ def give_back(
 
 def reap(fleet: FleetControl, engine: Engine) -> list[str]:
     """Return every replica whose lease expired, and mark its holder's job LOST."""
-    from scheduler.tasks.base import mark_lost
-
     out = []
     for replica_id, pool, holder, purpose in leases.reap_expired(engine):
         give_back(
@@ -142,6 +157,6 @@ def reap(fleet: FleetControl, engine: Engine) -> list[str]:
             record_states=False,
             generation=purpose == "generation",
         )
-        mark_lost(engine, holder, f"lease on {replica_id} expired: the worker stopped renewing it")
+        jobs.mark_lost(engine, holder, f"lease on {replica_id} expired: the worker stopped renewing it")
         out.append(replica_id)
     return out

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
-from scheduler.tasks import leases
+from scheduler.loop import leases
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
@@ -52,6 +53,8 @@ class Outcome:
 
     finished: bool
     steps: int
+    cancelled: bool = False
+    """The job was cancelled: the run checkpointed and stopped."""
     result: dict[str, Any] = field(default_factory=dict)
     recalled_at: float | None = None
     yielded_at: float | None = None
@@ -73,8 +76,10 @@ def run_preemptible(
     holder: str,
     ttl_s: float,
     checkpoint_every: int = 10,
+    cancelled: Callable[[], bool] = lambda: False,
 ) -> Outcome:
-    """Step ``session`` to the end, or checkpoint and yield as soon as a replica is recalled."""
+    """Step ``session`` to the end, or checkpoint and yield as soon as a replica is recalled, or
+    checkpoint and stop as soon as ``cancelled()`` says the job was cancelled."""
     resumed = checkpoint.exists()
     if resumed:
         session.load(checkpoint)
@@ -89,6 +94,10 @@ def run_preemptible(
                 recalled = True
                 break
             recalled = recalled or status.recall_requested
+        if cancelled():
+            save_atomic(session, checkpoint)
+            log.info("training stopped: its job was cancelled", holder=holder, steps=steps)
+            return Outcome(False, steps, cancelled=True, resumed=resumed)
         if recalled:
             noticed = time.time()
             save_atomic(session, checkpoint)

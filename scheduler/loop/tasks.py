@@ -1,0 +1,258 @@
+"""The loop as Celery tasks: thin, idempotent, each running one step of :mod:`scheduler.loop.steps`
+on the typed :class:`LoopState` it receives, and chained with canvas by
+:func:`scheduler.loop.submit.submit` (no task waits on another). Every task records its run in the
+job table (:mod:`scheduler.loop.jobs`), renews a heartbeat while it runs, and ends without running
+when its job was cancelled. ``rl_update`` trains on borrowed replicas and yields to recalls;
+``plan_capacity``, ``reap_leases`` and ``reap_jobs`` run periodically under celery beat.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import structlog
+from celery import Task, signals
+from celery.exceptions import Ignore
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import OperationalError
+
+from scheduler.loop import jobs, leases, steps
+from scheduler.loop.app import app, worker_engine, worker_settings
+from scheduler.loop.borrowing import FleetControl, fleet_control, give_back, lend, reap
+from scheduler.loop.planning import choose_replicas, plan_pool
+from scheduler.loop.preemptible import run_preemptible
+from scheduler.loop.state import LoopState, Step
+from scheduler.loop.training import outcome, trainer
+
+log = structlog.get_logger(__name__)
+PREEMPT_MAX_RETRIES = 1000
+
+
+class TransientError(RuntimeError):
+    """A failure worth retrying (a replica or service that did not answer in time)."""
+
+
+class Preempted(RuntimeError):
+    """A training job handed its borrowed capacity back; it resumes from its checkpoint."""
+
+
+class LoopTask(Task):  # type: ignore[misc]
+    """Base of every Undertow task: late acknowledgement, retries with backoff, a job-table row and a
+    heartbeat while it runs (see :mod:`scheduler.loop.jobs`)."""
+
+    acks_late = True
+    reject_on_worker_lost = True
+    autoretry_for = (TransientError, OperationalError)
+    retry_backoff = 2
+    retry_backoff_max = 300
+    retry_jitter = True
+    max_retries = 3
+
+    def _engine(self) -> Engine:
+        return worker_engine()
+
+    def _job_id(self) -> str | None:
+        return self.request.root_id or self.request.id  # type: ignore[no-any-return]
+
+    def _last(self) -> bool:
+        return not self.request.callbacks and not self.request.chain
+
+    def before_start(self, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        req = self.request
+        jobs.step_started(
+            self._engine(),
+            task_id,
+            self._job_id(),
+            name=self.name,
+            chain_id=self._job_id(),
+            worker=req.hostname or socket.gethostname(),
+        )
+        self._stop_beat = threading.Event()
+        every = worker_settings().scheduler.job_heartbeat_s
+        engine, job_id = self._engine(), self._job_id()
+
+        def beat() -> None:
+            while not self._stop_beat.wait(every):
+                try:
+                    jobs.beat(engine, task_id, job_id)
+                except Exception as exc:  # the database blinked: the next beat tries again
+                    log.warning("job heartbeat failed", task=task_id, error=str(exc))
+
+        threading.Thread(target=beat, name=f"beat-{task_id[:8]}", daemon=True).start()
+
+    def after_return(self, *args: Any, **kwargs: Any) -> None:
+        stop = getattr(self, "_stop_beat", None)
+        if stop is not None:
+            stop.set()
+
+    def cancelled(self) -> bool:
+        """True when this task's job was cancelled."""
+        return jobs.cancelled(self._engine(), self._job_id())
+
+    def stop_if_cancelled(self) -> None:
+        """End this task without running (and the chain with it) when its job was cancelled."""
+        if self.cancelled():
+            self.after_return()  # Celery skips it for an ignored task: stop the heartbeat here
+            jobs.step_finished(self._engine(), self.request.id, None, jobs.CANCELLED, last=False, error="job cancelled")
+            raise Ignore()
+
+    def run_step(self, step: Callable[[steps.StepContext, LoopState], LoopState], state: dict[str, Any]) -> Any:
+        """Validate the state, run ``step`` unless the job was cancelled, hand the new state on."""
+        self.stop_if_cancelled()
+        loop_state = LoopState.model_validate(state)
+        out = step(steps.StepContext(worker_settings(), self._engine()), loop_state)
+        return out.wire()
+
+    def on_success(self, retval: Any, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        outputs = retval if isinstance(retval, dict) else {"result": retval}
+        jobs.step_finished(self._engine(), task_id, self._job_id(), "SUCCESS", last=self._last(), outputs=outputs)
+
+    def on_retry(
+        self, exc: BaseException, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any], einfo: Any
+    ) -> None:
+        state = "PREEMPTED" if isinstance(exc, Preempted) else "RETRY"
+        jobs.step_finished(self._engine(), task_id, self._job_id(), state, last=False, error=_why(exc))
+
+    def on_failure(
+        self, exc: BaseException, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any], einfo: Any
+    ) -> None:
+        jobs.step_finished(self._engine(), task_id, self._job_id(), "FAILURE", last=True, error=_why(exc))
+
+
+def _why(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+@app.task(base=LoopTask, bind=True, name=Step.COLLECT.task_name)
+def collect(self: LoopTask, state: dict[str, Any]) -> Any:
+    """Ingest health (first link of the loop)."""
+    return self.run_step(steps.collect, state)
+
+
+@app.task(base=LoopTask, bind=True, name=Step.RETRAIN.task_name)
+def retrain(self: LoopTask, state: dict[str, Any]) -> Any:
+    """Retrain the reward models on the job's window."""
+    return self.run_step(steps.retrain, state)
+
+
+@app.task(base=LoopTask, bind=True, name=Step.SNAPSHOT.task_name)
+def snapshot(self: LoopTask, state: dict[str, Any]) -> Any:
+    """Store the new weights version and its delta."""
+    return self.run_step(steps.snapshot, state)
+
+
+@app.task(base=LoopTask, bind=True, name=Step.ROLLOUT.task_name)
+def rollout(self: LoopTask, state: dict[str, Any]) -> Any:
+    """Canary and gated rollout of the job's version."""
+    return self.run_step(steps.rollout, state)
+
+
+@app.task(base=LoopTask, bind=True, name=Step.PROMOTE.task_name)
+def promote(self: LoopTask, state: dict[str, Any]) -> Any:
+    """Move the whole pool of the job's deployment to its version."""
+    return self.run_step(steps.promote, state)
+
+
+@app.task(base=LoopTask, bind=True, name=Step.ROLLBACK.task_name)
+def rollback(self: LoopTask, state: dict[str, Any]) -> Any:
+    """Put the pool of the job's deployment back on its previous version."""
+    return self.run_step(steps.rollback, state)
+
+
+@app.task(base=LoopTask, bind=True, name=Step.EVALUATE.task_name)
+def evaluate(self: LoopTask, state: dict[str, Any]) -> Any:
+    """Evaluate the job's version on held-out tasks."""
+    return self.run_step(steps.evaluate, state)
+
+
+@app.task(base=LoopTask, bind=True, name=Step.RL_UPDATE.task_name)
+def rl_update(self: LoopTask, state: dict[str, Any]) -> Any:
+    """RL update on borrowed replicas; yields to recalls, stops when cancelled, resumes from its checkpoint."""
+    self.stop_if_cancelled()
+    loop_state = LoopState.model_validate(state)
+    settings = worker_settings()
+    engine = worker_engine()
+    cfg = settings.scheduler
+    fleet = fleet_control(settings)
+    holder = self.request.id
+    replicas = choose_replicas(fleet, engine, settings, cfg.training_replicas)
+    replicas = [(r, p) for r, p in replicas if lend(fleet, engine, r, p, holder, "training", cfg.lease_ttl_s)]
+    if not replicas:
+        raise self.retry(
+            exc=Preempted("no replica can be lent now"), countdown=cfg.preempt_resume_s, max_retries=PREEMPT_MAX_RETRIES
+        )
+    checkpoint = Path(settings.home) / cfg.checkpoint_dir / f"{loop_state.run_id}.ckpt"
+    finished = False
+    try:
+        session = trainer(settings, loop_state)
+        result = run_preemptible(
+            session,
+            checkpoint,
+            engine,
+            [r for r, _ in replicas],
+            holder,
+            cfg.lease_ttl_s,
+            cfg.checkpoint_every_steps,
+            cancelled=self.cancelled,
+        )
+        finished = result.finished
+    finally:
+        for replica_id, pool in replicas:
+            give_back(fleet, engine, replica_id, pool, holder, event="returned" if finished else "preempted")
+    if result.cancelled:
+        self.stop_if_cancelled()
+    if not result.finished:
+        raise self.retry(
+            exc=Preempted(f"yielded after {result.steps} steps"),
+            countdown=cfg.preempt_resume_s,
+            max_retries=PREEMPT_MAX_RETRIES,
+        )
+    return loop_state.model_copy(update={"rl_update": outcome(result.result, result.resumed)}).wire()
+
+
+@app.task(base=LoopTask, name="undertow.plan_capacity")
+def plan_capacity() -> dict[str, Any]:
+    """Plan every pool for the next window; recall borrowed replicas beyond what a pool can lend."""
+    settings = worker_settings()
+    engine = worker_engine()
+    fleet: FleetControl = fleet_control(settings)
+    held = leases.active_leases(engine)
+    plans = []
+    for pool in settings.scheduler.pools:
+        ids = fleet.replicas(pool.name)
+        plan = plan_pool(fleet, settings, pool.name, len(ids))
+        lent = [lease["replica_id"] for lease in held if lease["pool"] == pool.name and not lease["recall_requested"]]
+        excess = max(0, len(lent) - plan["lendable"])
+        plan["recalled"] = (
+            leases.request_recall(engine, lent[:excess], settings.scheduler.preempt_deadline_s) if excess else []
+        )
+        plans.append(plan)
+    return {"plans": plans}
+
+
+@app.task(base=LoopTask, name="undertow.reap_leases")
+def reap_leases() -> dict[str, Any]:
+    """Return every replica whose lease expired (its holder died)."""
+    return {"returned": reap(fleet_control(worker_settings()), worker_engine())}
+
+
+@app.task(base=LoopTask, name="undertow.reap_jobs")
+def reap_jobs() -> dict[str, Any]:
+    """Mark steps whose worker stopped beating LOST."""
+    return {"lost": jobs.reap_lost(worker_engine(), worker_settings().scheduler.job_lost_after_s)}
+
+
+@signals.worker_ready.connect
+def _reap_on_start(**_: Any) -> None:
+    """A worker that starts marks what a dead worker left STARTED (its own earlier run, say) LOST."""
+    try:
+        lost = jobs.reap_lost(worker_engine(), worker_settings().scheduler.job_lost_after_s)
+    except Exception as exc:  # the database is not reachable yet: beat and the API reap later
+        log.warning("job reaper at start failed", error=str(exc))
+        return
+    if lost:
+        log.warning("jobs lost by a dead worker", steps=lost)
