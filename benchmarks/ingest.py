@@ -146,7 +146,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=None)
     args = parser.parse_args()
 
-    from scheduler.logs import configure_logging
+    from scheduler.runtime.logs import configure_logging
 
     configure_logging("WARNING")
     seed = args.seed if args.seed is not None else int(time.time()) % 100_000

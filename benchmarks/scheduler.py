@@ -34,10 +34,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scheduler.config import SchedulerConfig
+from scheduler.planner.simulate import simulate
 from scheduler.planner.synthetic import synthetic_trace
 from scheduler.planner.trace import load_trace
-from scheduler.simulate import simulate
+from scheduler.settings.sections import SchedulerConfig
 
 DEFAULT_TRACE = Path("../shared/data/traces/servegen-m-small")
 

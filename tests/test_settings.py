@@ -99,7 +99,7 @@ def test_embedded_database_upgrades_itself_but_postgres_asks(tmp_path: Path, db_
 
 def test_configuration_reference_is_current() -> None:
     """docs/configuration.md is generated from the settings tree; regenerate with `undertow config docs`."""
-    from scheduler.config_docs import render_reference
+    from scheduler.settings.docs import render_reference
 
     path = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
     assert path.read_text() == render_reference(), "run `undertow config docs --output docs/configuration.md`"

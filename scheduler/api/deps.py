@@ -18,8 +18,8 @@ from sqlalchemy.orm import Session
 from ingest.db import session_factory
 from scheduler.api.auth import Principal, resolve_token
 from scheduler.api.middleware import AUDIT_KEY, SESSION_COOKIE
-from scheduler.config import ApiConfig
 from scheduler.settings import Settings
+from scheduler.settings.sections import ApiConfig
 
 BEARER_HELP = "Send `Authorization: Bearer <token>`; create one with `undertow tokens create --role viewer`."
 

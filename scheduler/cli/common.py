@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
 def setup(**overrides: Any) -> Settings:
     """Load settings and configure logging to stderr."""
-    from scheduler.logs import configure_logging
+    from scheduler.runtime.logs import configure_logging
     from scheduler.settings import load_settings
 
     settings = load_settings(**overrides)

@@ -20,7 +20,7 @@ def docs(output: str = typer.Option("-", help="File to write, or - for stdout.")
     """Write the configuration reference (Markdown) generated from the settings tree."""
     from pathlib import Path
 
-    from scheduler.config_docs import render_reference
+    from scheduler.settings.docs import render_reference
 
     text = render_reference()
     if output == "-":

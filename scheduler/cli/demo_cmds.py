@@ -55,7 +55,7 @@ def _ingest(settings: object, minutes: float, requests: int, seed: int, as_json:
     from rich.table import Table
 
     from scheduler.cli.common import print_json
-    from scheduler.demo_ingest import run_ingest_stage
+    from scheduler.demo.replay import run_ingest_stage
 
     result = run_ingest_stage(settings, minutes=minutes, requests=requests, seed=seed, keep_running=keep_running)  # type: ignore[arg-type]
     if as_json:

@@ -22,8 +22,8 @@ def simulate(
 ) -> None:
     """Replay a request-rate trace through the planner; compare with a fixed nightly window and an oracle."""
     from scheduler.cli.common import print_json, setup
+    from scheduler.planner.simulate import simulate as run
     from scheduler.planner.trace import TraceError, load_trace
-    from scheduler.simulate import simulate as run
 
     settings = setup()
     try:

@@ -212,7 +212,7 @@ def run_demo(base: Settings, opts: DemoOptions) -> dict[str, Any]:
     from scheduler.demo.developers import DeveloperConfig, Developers
     from scheduler.demo.report import build_report
     from scheduler.demo.stack import DemoStack, v0_cache
-    from scheduler.logs import configure_logging
+    from scheduler.runtime.logs import configure_logging
     from scheduler.settings import load_settings
 
     console = Console(stderr=True)

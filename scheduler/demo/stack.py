@@ -1,6 +1,6 @@
 """The demo's services, started and stopped as one unit on one machine.
 
-- the embedded stack (:class:`scheduler.stack.EmbeddedStack`): Kafka (Tansu), the migrated SQLite
+- the embedded stack (:class:`scheduler.runtime.embedded.EmbeddedStack`): Kafka (Tansu), the migrated SQLite
   database and the ingest consumer thread;
 - policy v0 (cached under the Undertow home: trained by warm-up once, reused by later runs),
   recorded as ``v0000`` and put in the weight store as the first full snapshot;
@@ -132,7 +132,7 @@ class DemoStack:
         from ingest.db import transaction  # noqa: F401  (database modules load before the threads start)
         from policy.versions import record_version
         from policy.weights import open_store
-        from scheduler.stack import EmbeddedStack
+        from scheduler.runtime.embedded import EmbeddedStack
         from serving import fleet
         from serving.launch import start_engines
 

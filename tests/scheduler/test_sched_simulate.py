@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scheduler.config import PoolConfig, SchedulerConfig
+from scheduler.planner.simulate import PoolSetup, replay, simulate
 from scheduler.planner.synthetic import synthetic_trace
 from scheduler.planner.trace import Trace, TraceError, load_trace
-from scheduler.simulate import PoolSetup, replay, simulate
+from scheduler.settings.sections import PoolConfig, SchedulerConfig
 
 DATA = Path(__file__).parent / "data" / "servegen-m-small"
 

@@ -13,7 +13,7 @@ from scheduler.api.analytics import db_time
 from scheduler.api.auth import Principal
 from scheduler.api.deps import ApiConfigDep, SessionDep, ViewerDep
 from scheduler.api.schemas import NAME_PATTERN, Page, SessionInfo, UtcDateTime
-from scheduler.config import ApiConfig
+from scheduler.settings.sections import ApiConfig
 
 router = APIRouter(prefix="/sessions", tags=["sessions"])
 

@@ -1,4 +1,5 @@
-"""Shared wiring for commands and services: settings, logging, and a database that is ready.
+"""Shared wiring for commands and services: a database that is ready (here), structured logging
+(:mod:`.logs`) and the embedded stack of broker, database and ingest consumer (:mod:`.embedded`).
 
 On the embedded SQLite default every command migrates the schema by itself; against any other
 database a command on an outdated schema stops with a message naming ``undertow db upgrade``.

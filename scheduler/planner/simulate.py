@@ -30,12 +30,12 @@ from typing import Any
 
 import numpy as np
 
-from scheduler.config import PoolConfig, SchedulerConfig
 from scheduler.planner.borrow import BorrowTimings, replicas_to_recall
 from scheduler.planner.capacity import hot_fraction, hot_reserve, lendable_replicas, replicas_needed, split_borrowed
 from scheduler.planner.demand import sample_interval_demand, window_peaks
 from scheduler.planner.forecast import DemandForecaster
 from scheduler.planner.trace import Trace, TraceError
+from scheduler.settings.sections import PoolConfig, SchedulerConfig
 
 FLEET_MARGIN = 1.1
 FLEET_PEAK_QUANTILE = 0.99

@@ -1,7 +1,8 @@
 """The root settings tree: ``UNDERTOW_*`` environment variables over an optional ``undertow.toml``.
 
-Each layer owns a section (its ``config.py``); this module only composes them. Nothing is built
-at import time: call :func:`load_settings` and pass the sections down explicitly.
+Each layer owns a section (its ``config.py``; the scheduler's own are in :mod:`.sections`); this
+package only composes them, and :mod:`.docs` renders their reference. Nothing is built at import
+time: call :func:`load_settings` and pass the sections down explicitly, typed.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pydantic_settings import (
 from ingest.config import IngestConfig, KafkaConfig
 from policy.config import PolicyConfig
 from reward_models.config import RewardsConfig
-from scheduler.config import ApiConfig, SchedulerConfig
+from scheduler.settings.sections import ApiConfig, SchedulerConfig
 from serving.config import ServingConfig
 
 

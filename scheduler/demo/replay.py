@@ -43,7 +43,7 @@ def run_ingest_stage(
     from ingest.producer import TelemetryProducer
     from ingest.stats import stats
     from ingest.synthetic import default_trace_path, generate, load_rates
-    from scheduler.stack import EmbeddedStack
+    from scheduler.runtime.embedded import EmbeddedStack
 
     trace = default_trace_path()
     rates = load_rates(trace) if trace else None
