@@ -189,31 +189,20 @@ def recover_stale(engine: Engine, stale_after_s: float, pool: str | None = None)
     return failed
 
 
-def versions_in_use(source: Any) -> set[str]:
+def versions_in_use(engine: Engine) -> set[str]:
     """Every weights version a replica holds or is moving to: what the weight store's GC must keep.
 
-    ``source`` is a database engine or the root settings (anything with ``resolved_database_url``).
     Counts the versions replicas reported, each pool's target, and both ends of running
     deployments. A database without the serving tables has none in use.
     """
-    if isinstance(source, Engine):
-        engine, own = source, False
-    else:
-        from ingest.db import make_engine
-
-        engine, own = make_engine(source.resolved_database_url), True
-    try:
-        if not inspect(engine).has_table(ReplicaRow.__tablename__):
-            return set()
-        with transaction(engine) as s:
-            used = {v for v in s.scalars(select(ReplicaRow.version)) if v}
-            used |= set(s.scalars(select(TargetRow.version)))
-            for dep in s.scalars(select(DeploymentRow).where(DeploymentRow.status == "running")):
-                used |= {dep.from_version, dep.to_version}
-        return used
-    finally:
-        if own:
-            engine.dispose()
+    if not inspect(engine).has_table(ReplicaRow.__tablename__):
+        return set()
+    with transaction(engine) as s:
+        used = {v for v in s.scalars(select(ReplicaRow.version)) if v}
+        used |= set(s.scalars(select(TargetRow.version)))
+        for dep in s.scalars(select(DeploymentRow).where(DeploymentRow.status == "running")):
+            used |= {dep.from_version, dep.to_version}
+    return used
 
 
 async def check_fleet(

@@ -35,9 +35,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ConfigDict, Field, ValidationError
+from sqlalchemy.engine import Engine
 
 from serving.client import EngineClient, EngineError
-from serving.config import GatewayConfig
+from serving.config import FleetConfig, GatewayConfig
 from serving.engine import openai_error, validation_message
 from serving.fleet import Replica
 from serving.protocol import CompletionRequest
@@ -369,7 +370,7 @@ def create_gateway_app(gateway: Gateway, background: list[Callable[[], Awaitable
     return app
 
 
-def registry_source(db: Any, pool: str, refresh_s: float) -> ReplicaSource:
+def registry_source(db: Engine, pool: str, refresh_s: float) -> ReplicaSource:
     """Replicas in rotation from the registry, re-read at most every ``refresh_s`` seconds."""
     from serving.fleet import list_replicas
 
@@ -384,7 +385,7 @@ def registry_source(db: Any, pool: str, refresh_s: float) -> ReplicaSource:
     return source
 
 
-def health_loop(db: Any, config: Any, pool: str) -> Callable[[], Awaitable[None]]:
+def health_loop(db: Engine, config: FleetConfig, pool: str) -> Callable[[], Awaitable[None]]:
     """A background job checking the pool's replicas every ``config.health_interval_s``."""
     from serving.fleet import check_fleet
 

@@ -22,13 +22,15 @@ def open_store(settings: Settings) -> WeightStore:
 
 
 def _in_use(settings: Settings) -> set[str]:
-    """Versions the fleet's replicas hold, when the serving layer exposes them."""
+    """Versions the fleet's replicas hold or move to (the garbage collector keeps them)."""
+    from ingest.db import make_engine
+    from serving.fleet import versions_in_use
+
+    engine = make_engine(settings.resolved_database_url)
     try:
-        from serving import fleet
-    except ImportError:
-        return set()
-    getter = getattr(fleet, "versions_in_use", None)
-    return set(getter(settings)) if callable(getter) else set()
+        return versions_in_use(engine)
+    finally:
+        engine.dispose()
 
 
 @weights_app.command("list")
