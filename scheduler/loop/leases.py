@@ -41,13 +41,6 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
-def aware(dt: datetime | None) -> datetime | None:
-    """SQLite returns naive datetimes for ``timezone=True`` columns; they are UTC."""
-    if dt is None or dt.tzinfo is not None:
-        return dt
-    return dt.replace(tzinfo=UTC)
-
-
 def log_event(
     session: Session, replica_id: str, pool: str, event: str, holder: str | None, at: datetime, **detail: Any
 ) -> None:
@@ -105,7 +98,7 @@ def renew(engine: Engine, replica_id: str, holder: str, ttl_s: float, now: datet
             raise LeaseLost(f"replica {replica_id} is no longer leased to {holder}")
         row.renewed_at = now
         row.expires_at = now + timedelta(seconds=ttl_s)
-        status = LeaseStatus(replica_id, row.expires_at, row.recall_requested, aware(row.recall_deadline))
+        status = LeaseStatus(replica_id, row.expires_at, row.recall_requested, row.recall_deadline)
     return status
 
 
@@ -151,7 +144,7 @@ def release(engine: Engine, replica_id: str, holder: str, event: str = "returned
             deadline = s.scalar(select(LeaseRow.recall_deadline).where(LeaseRow.replica_id == replica_id))
             extra = dict(detail)
             if deadline is not None:
-                extra["within_deadline"] = now <= aware(deadline)  # type: ignore[operator]
+                extra["within_deadline"] = now <= deadline
             log_event(s, replica_id, pool, event, holder, now, **extra)
     return bool(done)
 
@@ -183,7 +176,7 @@ def active_leases(engine: Engine) -> list[dict[str, Any]]:
                 "holder": r.holder,
                 "purpose": r.purpose,
                 "state": r.state,
-                "expires_at": aware(r.expires_at),
+                "expires_at": r.expires_at,
                 "recall_requested": r.recall_requested,
             }
             for r in rows
