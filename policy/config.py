@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, Field
@@ -55,3 +56,12 @@ class PolicyConfig(BaseModel):
     """torch CPU threads of the trainer (fixed, so runs are bit-reproducible)."""
     parallel: Literal["fsdp", "ddp"] = "fsdp"
     """Several trainer processes (torchrun): ``fsdp`` shards weights, grads and optimizer; ``ddp`` replicates."""
+
+
+def resolve_store_url(url: str, home: Path) -> str:
+    """The weight store location ``url`` (``PolicyConfig.weights_url``) as a URL or path: as it is when
+    it has a scheme (``http://``, ``s3://``, ...) or is an absolute path, else relative to ``home`` (the
+    Undertow home). The one place a configured store location is resolved; it imports no torch."""
+    if "://" in url or Path(url).is_absolute():
+        return url
+    return str(home / url)

@@ -17,6 +17,7 @@ from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session
 
 from ingest.db import transaction
 from reward_models.models import RewardBundle
@@ -99,6 +100,17 @@ def current_promoted(engine: Engine) -> RewardModelRow | None:
         return get_version(engine, "latest")
     except UnknownVersion:
         return None
+
+
+def trained_by(engine: Engine, job_id: str, recent: int = 500) -> RewardModelRow | None:
+    """The version a job already registered (its resolved config names the job), among the most recent."""
+    with Session(engine) as db:
+        rows = db.scalars(select(RewardModelRow).order_by(RewardModelRow.created_at.desc()).limit(recent))
+        for row in rows:
+            if (row.config or {}).get("job_id") == job_id:
+                db.expunge(row)
+                return row
+    return None
 
 
 def list_versions(engine: Engine) -> list[dict[str, Any]]:

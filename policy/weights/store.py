@@ -31,7 +31,7 @@ import numpy as np
 import structlog
 import torch
 
-from policy.config import PolicyConfig, WeightsConfig
+from policy.config import PolicyConfig, WeightsConfig, resolve_store_url
 from policy.weights.codec import encode_tensor
 from policy.weights.format import (
     DELTA_FILE,
@@ -355,14 +355,6 @@ class WeightStore:
             stamp = info.get("mtime") or info.get("LastModified") or info.get("created") or 0
             newest = max(newest, stamp.timestamp() if isinstance(stamp, datetime) else float(stamp))
         return newest
-
-
-def resolve_store_url(url: str, home: Path) -> str:
-    """The store location ``url`` as a URL or path: as it is when it has a scheme (``http://``,
-    ``s3://``, ...) or is an absolute path, else relative to ``home`` (the Undertow home)."""
-    if "://" in url or Path(url).is_absolute():
-        return url
-    return str(home / url)
 
 
 def open_store(config: PolicyConfig, home: Path) -> WeightStore:

@@ -206,15 +206,15 @@ def _parse_time(value: Any) -> datetime | None:
 def _weight_manifests(settings: Settings) -> list[dict[str, Any]]:
     """Manifests of the weight store the settings point at, oldest first.
 
-    The location is resolved by :func:`policy.weights.store.resolve_store_url`; the manifests are
-    read as plain JSON at the layout that module documents (``versions/<version>/manifest.json``,
+    The location is resolved by :func:`policy.config.resolve_store_url`; the manifests are
+    read as plain JSON at the layout :mod:`policy.weights.store` documents (``versions/<version>/manifest.json``,
     written last), without validating tensor tables, and one that does not parse is skipped.
     """
     import json
 
     import fsspec
 
-    from policy.weights.store import resolve_store_url
+    from policy.config import resolve_store_url
 
     fs, root = fsspec.core.url_to_fs(resolve_store_url(settings.policy.weights_url, settings.home))
     if not fs.exists(f"{root}/versions"):

@@ -28,7 +28,7 @@ from sqlalchemy import func, select
 from ingest.db import transaction
 from ingest.tables import DeadLetterRow, SessionRow, SignalRow
 from policy.weights import WeightStore, open_store
-from reward_models.registry import current_promoted
+from reward_models.registry import PROMOTED, current_promoted, trained_by
 from reward_models.train import TrainingDataError, train_reward_models
 from reward_models.triggers import retrain_decision
 from scheduler.loop.state import DeploymentOutcome, IngestCounts, LoopState, RewardModelOutcome, SnapshotOutcome
@@ -82,7 +82,20 @@ def _promoted(engine: Engine, reasons: list[str]) -> RewardModelOutcome:
 
 
 def retrain(ctx: StepContext, state: LoopState) -> LoopState:
-    """Retrain the reward models on the job's window when forced or when the triggers fire."""
+    """Retrain the reward models on the job's window when forced or when the triggers fire (once per
+    job: a redelivered retrain reports the version its first run registered)."""
+    done = trained_by(ctx.engine, state.run_id)
+    if done is not None:
+        again = RewardModelOutcome(
+            retrained=True,
+            reasons=["registered by an earlier delivery of this job"],
+            version=done.version,
+            status=done.status,
+            promoted=done.status == PROMOTED,
+            primary_metric=done.primary_metric,
+            window=state.window,
+        )
+        return state.model_copy(update={"reward_model": again})
     reasons = ["forced by the job"] if state.force else []
     if not state.force:
         decision = retrain_decision(ctx.engine, ctx.settings.rewards)
@@ -96,7 +109,7 @@ def retrain(ctx: StepContext, state: LoopState) -> LoopState:
             ctx.settings.home,
             since=state.window.since,
             until=state.window.until,
-            resolved_config=ctx.settings.resolved(),
+            resolved_config={**ctx.settings.resolved(), "job_id": state.run_id},
         )
     except TrainingDataError as exc:
         if state.force:

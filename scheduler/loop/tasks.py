@@ -40,6 +40,10 @@ class Preempted(RuntimeError):
     """A training job handed its borrowed capacity back; it resumes from its checkpoint."""
 
 
+_BEATS: dict[str, threading.Event] = {}
+"""The heartbeat of each running task, by task id (one task instance serves every run of its name)."""
+
+
 class LoopTask(Task):  # type: ignore[misc]
     """Base of every Undertow task: late acknowledgement, retries with backoff, a job-table row and a
     heartbeat while it runs (see :mod:`scheduler.loop.jobs`)."""
@@ -71,12 +75,12 @@ class LoopTask(Task):  # type: ignore[misc]
             chain_id=self._job_id(),
             worker=req.hostname or socket.gethostname(),
         )
-        self._stop_beat = threading.Event()
+        stop = _BEATS[task_id] = threading.Event()
         every = worker_settings().scheduler.job_heartbeat_s
         engine, job_id = self._engine(), self._job_id()
 
         def beat() -> None:
-            while not self._stop_beat.wait(every):
+            while not stop.wait(every):
                 try:
                     jobs.beat(engine, task_id, job_id)
                 except Exception as exc:  # the database blinked: the next beat tries again
@@ -85,7 +89,7 @@ class LoopTask(Task):  # type: ignore[misc]
         threading.Thread(target=beat, name=f"beat-{task_id[:8]}", daemon=True).start()
 
     def after_return(self, *args: Any, **kwargs: Any) -> None:
-        stop = getattr(self, "_stop_beat", None)
+        stop = _BEATS.pop(self.request.id, None)
         if stop is not None:
             stop.set()
 
