@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from policy_workers import one_step, small_train_config, synthetic_batch, uneven_batch
+from policy_helpers import one_step, small_train_config, synthetic_batch, uneven_batch
 
 from ingest.arrays import npy_bytes, pack_floats, pack_ids
 from ingest.db import transaction
@@ -78,7 +78,7 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tokenizer, tmp_path: Pat
 
     state = tmp_path / "state"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, str(ROOT / "tests" / "policy" / "policy_workers.py"), "resume", str(state), str(steps)]
+    cmd = [sys.executable, str(ROOT / "tests" / "policy" / "policy_helpers.py"), "resume", str(state), str(steps)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 240
@@ -173,7 +173,7 @@ def test_two_processes_match_one_process(mode: str, tokenizer, tmp_path: Path) -
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-        "--master_addr=127.0.0.1", str(ROOT / "tests" / "policy" / "policy_workers.py"), mode, str(out),
+        "--master_addr=127.0.0.1", str(ROOT / "tests" / "policy" / "policy_helpers.py"), mode, str(out),
         str(GRAD_CLIP),
     ]  # fmt: skip
     done = subprocess.run(cmd, cwd=ROOT, env=env, timeout=300, capture_output=True, text=True)

@@ -101,6 +101,6 @@ def test_configuration_reference_is_current() -> None:
     """docs/configuration.md is generated from the settings tree; regenerate with `undertow config docs`."""
     from scheduler.settings.docs import render_reference
 
-    path = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+    path = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
     assert path.read_text() == render_reference(), "run `undertow config docs --output docs/configuration.md`"
     assert "`UNDERTOW_KAFKA__TOPIC`" in path.read_text()

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from api_seed import Seeded, make_settings, seed_all
+from api_helpers import Seeded, make_settings, seed_all
 from fastapi.testclient import TestClient
 from sqlalchemy.engine import Engine
 

@@ -13,7 +13,7 @@ import pytest
 
 from scheduler.planner.trace import TraceError, load_trace
 
-DATA = Path(__file__).parent / "data" / "servegen-m-small"
+DATA = Path(__file__).resolve().parents[1] / "data" / "servegen-m-small"
 
 
 def _csv(tmp_path: Path, text: str, name: str = "t.csv") -> Path:

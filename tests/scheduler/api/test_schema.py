@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import schemathesis
-from api_seed import auth
+from api_helpers import auth
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sched_support import FileFleet
+from scheduler_helpers import FileFleet
 from sqlalchemy import select
 
 from ingest.db import transaction

@@ -15,8 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import Worker, make_env
-from sched_support import settings_for, wait_for
+from scheduler_helpers import Worker, make_env, settings_for, wait_for
 from sqlalchemy import func, select
 
 pytestmark = [pytest.mark.api_e2e, pytest.mark.slow]
@@ -208,7 +207,7 @@ def test_promote_skips_the_waiting_gates_and_cancel_stops_a_queued_job(stack: St
 
 
 def test_reward_model_retrain_trains_on_exactly_the_window(stack: Stack) -> None:
-    from api_seed import seed_telemetry
+    from api_helpers import seed_telemetry
 
     from ingest.tables import SessionRow
     from reward_models.tables import RewardModelRow

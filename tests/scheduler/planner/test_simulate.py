@@ -14,7 +14,7 @@ from scheduler.planner.synthetic import synthetic_trace
 from scheduler.planner.trace import Trace, TraceError, load_trace
 from scheduler.settings.sections import PoolConfig, SchedulerConfig
 
-DATA = Path(__file__).parent / "data" / "servegen-m-small"
+DATA = Path(__file__).resolve().parents[1] / "data" / "servegen-m-small"
 
 
 def test_replay_accounts_harvest_exactly() -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from sched_support import FileFleet, ToyTrainer, settings_for, wait_for
+from scheduler_helpers import FileFleet, ToyTrainer, settings_for, wait_for
 from sqlalchemy import select
 
 pytestmark = pytest.mark.slow

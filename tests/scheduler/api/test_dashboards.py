@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from api_seed import Seeded, make_settings
+from api_helpers import Seeded, make_settings
 from sqlalchemy.engine import Engine
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+ARTIFACTS = Path(__file__).resolve().parents[3] / "test-artifacts"
 ARGS = [
     "--no-sandbox",
     "--disable-gpu",

@@ -1,11 +1,15 @@
-"""Test doubles for the two things the scheduler drives but does not own, importable by a real
-Celery worker (its ``PYTHONPATH`` includes this directory):
+"""Helpers of the scheduler tests. Test doubles for the two things the scheduler drives but does
+not own, importable by a real Celery worker (its ``PYTHONPATH`` includes this directory):
 
 - ``FileFleet``: a fleet whose replicas live in a JSON file under the Undertow home, so the
   worker process and the test see the same state; it records every call in order;
 - ``ToyTrainer``: a real, deterministic torch training loop (a small MLP regression), checkpointed
   with ``torch.save``; its weights digest tells whether a preempted run ended where an
   uninterrupted one does.
+
+and the means to run one: ``make_env`` (a scheduler home on SQLite wired to those two doubles)
+and ``Worker`` (a real ``celery`` worker subprocess), used by ``conftest.py`` and the tests of
+``loop/``.
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ import fcntl
 import hashlib
 import json
 import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -22,6 +29,9 @@ from typing import Any
 
 import numpy as np
 import torch
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
 
 
 class FileFleet:
@@ -175,3 +185,82 @@ def wait_for(pred: Callable[[], Any], timeout: float = 60.0, every: float = 0.2,
             return out
         time.sleep(every)
     raise TimeoutError(f"timed out waiting for {what}")
+
+
+def make_env(root: Path) -> dict[str, str]:
+    """Environment of a scheduler home on SQLite wired to the test fleet and trainer (the two override points)."""
+    from ingest.db import upgrade
+
+    home = root / "home"
+    home.mkdir()
+    url = f"sqlite:///{home / 'undertow.db'}"
+    upgrade(url)
+    FileFleet.create(home)
+    env = {
+        "UNDERTOW_HOME": str(home),
+        "UNDERTOW_DATABASE_URL": url,
+        "UNDERTOW_SCHEDULER__FLEET_CONTROL": "scheduler_helpers:fleet",
+        "UNDERTOW_SCHEDULER__RL_TRAINER": "scheduler_helpers:trainer",
+        "UNDERTOW_SCHEDULER__JOB_HEARTBEAT_S": "0.5",
+        "UNDERTOW_SCHEDULER__JOB_LOST_AFTER_S": "4",
+        "UNDERTOW_SCHEDULER__LEASE_TTL_S": "3",
+        "UNDERTOW_SCHEDULER__PREEMPT_RESUME_S": "0.5",
+        "UNDERTOW_SCHEDULER__CHECKPOINT_EVERY_STEPS": "5",
+        "UNDERTOW_LOG_LEVEL": "WARNING",
+    }
+    return env
+
+
+class Worker:
+    """A ``celery -A scheduler.loop.app worker --pool=solo`` subprocess in its own process group."""
+
+    def __init__(self, env: dict[str, str], log: Path, name: str, queues: str = "celery") -> None:
+        full = {**os.environ, **env, "PYTHONPATH": os.pathsep.join([str(HERE), str(REPO)])}
+        self.log = log
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "scheduler.loop.app",
+                "worker",
+                "--pool=solo",
+                "--loglevel=INFO",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+                "-n",
+                f"{name}@%h",
+                "-Q",
+                queues,
+            ],
+            env=full,
+            cwd=str(log.parent),
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if "ready." in self.log.read_text():
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited: {self.log.read_text()[-3000:]}")
+            time.sleep(0.2)
+        raise TimeoutError(f"worker not ready: {self.log.read_text()[-3000:]}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.kill()

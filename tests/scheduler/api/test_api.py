@@ -8,7 +8,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
-from api_seed import SECRET_CODE, SECRET_PROMPT, Seeded, auth, make_settings
+from api_helpers import SECRET_CODE, SECRET_PROMPT, Seeded, auth, make_settings
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 from sqlalchemy.engine import Engine

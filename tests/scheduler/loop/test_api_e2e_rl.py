@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from sched_support import wait_for
+from scheduler_helpers import wait_for
 from sqlalchemy import func, select
 
 pytestmark = [pytest.mark.api_e2e, pytest.mark.slow]
