@@ -67,6 +67,12 @@ def make_pg_database(pg_unavailable: str | None) -> Iterator[str]:
         admin.dispose()
 
 
+@pytest.fixture(scope="module")
+def module_pg_url(pg_unavailable: str | None) -> Iterator[str]:
+    """A fresh PostgreSQL database shared by one module's tests (skips when there is no server)."""
+    yield from make_pg_database(pg_unavailable)
+
+
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def db_url(request: pytest.FixtureRequest, tmp_path: Path, pg_unavailable: str | None) -> Iterator[str]:
     """An empty database URL, once on SQLite and once on PostgreSQL."""

@@ -187,13 +187,14 @@ def wait_for(pred: Callable[[], Any], timeout: float = 60.0, every: float = 0.2,
     raise TimeoutError(f"timed out waiting for {what}")
 
 
-def make_env(root: Path) -> dict[str, str]:
-    """Environment of a scheduler home on SQLite wired to the test fleet and trainer (the two override points)."""
+def make_env(root: Path, url: str | None = None) -> dict[str, str]:
+    """Environment of a scheduler home wired to the test fleet and trainer (the two override points), on
+    the database ``url`` (default: a SQLite file in the home; the broker is the SQLAlchemy transport on it)."""
     from ingest.db import upgrade
 
     home = root / "home"
     home.mkdir()
-    url = f"sqlite:///{home / 'undertow.db'}"
+    url = url or f"sqlite:///{home / 'undertow.db'}"
     upgrade(url)
     FileFleet.create(home)
     env = {

@@ -81,8 +81,9 @@ class Load:
         self.thread.join(60)
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+@pytest.fixture(scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The whole stack on SQLite, then on PostgreSQL (database and Celery broker alike)."""
     from fastapi.testclient import TestClient
     from serving_helpers import make_versions
 
@@ -98,8 +99,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     root = tmp_path_factory.mktemp("e2e")
     versions = make_versions(root / "weights")
     port = free_port()
+    url = request.getfixturevalue("module_pg_url") if request.param == "postgres" else None
     env = {
-        **make_env(root),
+        **make_env(root, url),
         "UNDERTOW_POLICY__WEIGHTS_URL": str(versions.store),
         "UNDERTOW_SERVING__GATEWAY_PORT": str(port),
         "UNDERTOW_SERVING__DEPLOY__CANARY_REPLICAS": "1",
@@ -234,3 +236,13 @@ def test_reward_model_retrain_trains_on_exactly_the_window(stack: Stack) -> None
     body.pop("force")
     quiet = stack.job(stack.client.post("/api/v1/retrains", json=body, headers=stack.headers).json()["id"])
     assert quiet["state"] == "SUCCESS" and quiet["result"]["reward_model"]["retrained"] is False
+    # The forced job's step delivered again (a worker died before acknowledging it) trains nothing new.
+    from scheduler.loop.app import make_celery
+
+    count = select(func.count()).select_from(RewardModelRow)
+    with stack.engine.connect() as conn:
+        versions_before = conn.scalar(count)
+    again = make_celery(settings_for(stack.env)).send_task("undertow.retrain", args=(job["params"],)).get(timeout=120)
+    assert again["reward_model"]["version"] == outcome["version"]
+    with stack.engine.connect() as conn:
+        assert conn.scalar(count) == versions_before
