@@ -108,8 +108,10 @@ def step_started(engine: Engine, task_id: str, job_id: str | None, **values: Any
             s.add(row)
         for key, value in values.items():
             setattr(row, key, _jsonable(value) if key in ("inputs", "outputs") else value)
-        row.state, row.started_at, row.heartbeat_at, row.finished_at, row.error = "STARTED", now, now, None, None
         row.attempts = (row.attempts or 0) + 1
+        if row.state == CANCELLED:
+            return  # delivered after its job was cancelled: the task ends without running
+        row.state, row.started_at, row.heartbeat_at, row.finished_at, row.error = "STARTED", now, now, None, None
         job = s.get(JobRow, job_id, with_for_update=True) if job_id and job_id != task_id else None
         if job is not None and job.state != CANCELLED:
             job.state, job.heartbeat_at, job.finished_at, job.error = "STARTED", now, None, None
