@@ -95,6 +95,21 @@ async def _wait_finished(db: Engine, deployment_id: int, config: DeployConfig, t
         await asyncio.sleep(0.2)
 
 
+async def _ask_deployer(
+    db: Engine, deployment_id: int, action: Action, outcome: str, config: DeployConfig, timeout_s: float
+) -> tuple[DeploymentRow, ActionResult | None]:
+    """A running deployment's deployer is asked to ``action`` it and waited for; returns the row as it
+    ended, and the result when the deployer reached ``outcome`` itself (else the caller acts)."""
+    row = _load(db, deployment_id)
+    if not _alive(row, config):
+        return row, None
+    request(db, deployment_id, action)
+    row = await _wait_finished(db, deployment_id, config, timeout_s)
+    if row.status != outcome:
+        return row, None
+    return row, ActionResult(deployment_id, action, row.status, row.message, _target(db, row.pool)[0])
+
+
 def _target(db: Engine, pool: str) -> tuple[str | None, str | None]:
     row = fleet.get_target(db, pool)
     return (row.version, row.weights_hash) if row is not None else (None, None)
@@ -104,12 +119,9 @@ async def promote(
     db: Engine, deployment_id: int, config: DeployConfig, fleet_config: FleetConfig, *, timeout_s: float = 600.0
 ) -> ActionResult:
     """Bring the whole pool of deployment ``deployment_id`` to its version (see the module docstring)."""
-    row = _load(db, deployment_id)
-    if _alive(row, config):
-        request(db, deployment_id, "promote")
-        row = await _wait_finished(db, deployment_id, config, timeout_s)
-        if row.status == "succeeded":
-            return ActionResult(deployment_id, "promote", row.status, row.message, _target(db, row.pool)[0])
+    row, done = await _ask_deployer(db, deployment_id, "promote", "succeeded", config, timeout_s)
+    if done is not None:
+        return done
     target, _ = _target(db, row.pool)
     if target == row.to_version and row.status == "succeeded":
         return ActionResult(deployment_id, "promote", row.status, "already promoted", target, changed=False)
@@ -130,12 +142,9 @@ async def rollback(
     db: Engine, deployment_id: int, config: DeployConfig, fleet_config: FleetConfig, *, timeout_s: float = 600.0
 ) -> ActionResult:
     """Return the pool of deployment ``deployment_id`` to the version it served before (module docstring)."""
-    row = _load(db, deployment_id)
-    if _alive(row, config):
-        request(db, deployment_id, "rollback")
-        row = await _wait_finished(db, deployment_id, config, timeout_s)
-        if row.status == "rolled_back":
-            return ActionResult(deployment_id, "rollback", row.status, row.message, _target(db, row.pool)[0])
+    row, done = await _ask_deployer(db, deployment_id, "rollback", "rolled_back", config, timeout_s)
+    if done is not None:
+        return done
     target, _ = _target(db, row.pool)
     if row.status in ("rolled_back", "failed") and target == row.from_version:
         return ActionResult(

@@ -30,6 +30,7 @@ from scheduler.loop.training import outcome, trainer
 
 log = structlog.get_logger(__name__)
 PREEMPT_MAX_RETRIES = 1000
+StepFn = Callable[[steps.StepContext, LoopState], LoopState]
 
 
 class TransientError(RuntimeError):
@@ -104,7 +105,7 @@ class LoopTask(Task):  # type: ignore[misc]
             jobs.step_finished(self._engine(), self.request.id, None, jobs.CANCELLED, last=False, error="job cancelled")
             raise Ignore()
 
-    def run_step(self, step: Callable[[steps.StepContext, LoopState], LoopState], state: dict[str, Any]) -> Any:
+    def run_step(self, step: StepFn, state: dict[str, Any]) -> Any:
         """Validate the state, run ``step`` unless the job was cancelled, hand the new state on."""
         self.stop_if_cancelled()
         loop_state = LoopState.model_validate(state)
@@ -131,46 +132,23 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-@app.task(base=LoopTask, bind=True, name=Step.COLLECT.task_name)
-def collect(self: LoopTask, state: dict[str, Any]) -> Any:
-    """Ingest health (first link of the loop)."""
-    return self.run_step(steps.collect, state)
+def _step_task(step: Step, run: StepFn) -> Any:
+    """Register the Celery task that runs ``run`` for ``step`` (its docstring is the step's)."""
+
+    def task(self: LoopTask, state: dict[str, Any]) -> Any:
+        return self.run_step(run, state)
+
+    task.__name__, task.__qualname__, task.__doc__ = step.value, step.value, run.__doc__
+    return app.task(base=LoopTask, bind=True, name=step.task_name)(task)
 
 
-@app.task(base=LoopTask, bind=True, name=Step.RETRAIN.task_name)
-def retrain(self: LoopTask, state: dict[str, Any]) -> Any:
-    """Retrain the reward models on the job's window."""
-    return self.run_step(steps.retrain, state)
-
-
-@app.task(base=LoopTask, bind=True, name=Step.SNAPSHOT.task_name)
-def snapshot(self: LoopTask, state: dict[str, Any]) -> Any:
-    """Store the new weights version and its delta."""
-    return self.run_step(steps.snapshot, state)
-
-
-@app.task(base=LoopTask, bind=True, name=Step.ROLLOUT.task_name)
-def rollout(self: LoopTask, state: dict[str, Any]) -> Any:
-    """Canary and gated rollout of the job's version."""
-    return self.run_step(steps.rollout, state)
-
-
-@app.task(base=LoopTask, bind=True, name=Step.PROMOTE.task_name)
-def promote(self: LoopTask, state: dict[str, Any]) -> Any:
-    """Move the whole pool of the job's deployment to its version."""
-    return self.run_step(steps.promote, state)
-
-
-@app.task(base=LoopTask, bind=True, name=Step.ROLLBACK.task_name)
-def rollback(self: LoopTask, state: dict[str, Any]) -> Any:
-    """Put the pool of the job's deployment back on its previous version."""
-    return self.run_step(steps.rollback, state)
-
-
-@app.task(base=LoopTask, bind=True, name=Step.EVALUATE.task_name)
-def evaluate(self: LoopTask, state: dict[str, Any]) -> Any:
-    """Evaluate the job's version on held-out tasks."""
-    return self.run_step(steps.evaluate, state)
+collect = _step_task(Step.COLLECT, steps.collect)
+retrain = _step_task(Step.RETRAIN, steps.retrain)
+snapshot = _step_task(Step.SNAPSHOT, steps.snapshot)
+rollout = _step_task(Step.ROLLOUT, steps.rollout)
+promote = _step_task(Step.PROMOTE, steps.promote)
+rollback = _step_task(Step.ROLLBACK, steps.rollback)
+evaluate = _step_task(Step.EVALUATE, steps.evaluate)
 
 
 @app.task(base=LoopTask, bind=True, name=Step.RL_UPDATE.task_name)

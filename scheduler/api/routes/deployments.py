@@ -66,6 +66,28 @@ def _submit(request: Request, engine: EngineDep, state: LoopState, action: str) 
     return job
 
 
+def _act(
+    request: Request,
+    engine: EngineDep,
+    dep: Deployment,
+    action: Literal["promote", "rollback"],
+    version: str,
+    body: ActionRequest | None,
+    actor: str,
+) -> Job:
+    # The running deployer acts at its next gate even when every worker is busy; the job confirms it.
+    actions.request(engine, dep.id, action)
+    state = queue.new_state(
+        kind=action,
+        deployment_id=dep.id,
+        pool=dep.pool,
+        version=version,
+        reason=body.reason if body else "",
+        requested_by=actor,
+    )
+    return _submit(request, engine, state, action)
+
+
 @router.post("", response_model=Job, status_code=status.HTTP_202_ACCEPTED, summary="Start a rollout")
 def start_rollout(request: Request, principal: OperatorDep, engine: EngineDep, body: RolloutRequest) -> Job:
     """Roll ``version`` out to ``pool``: canary first, gated stages after, automatic rollback on a failed gate."""
@@ -92,17 +114,7 @@ def promote(
     dep = _get(session, deployment_id)
     if dep.status != "running":
         raise HTTPException(409, f"deployment {deployment_id} is {dep.status}; only a running rollout can be promoted")
-    # The running deployer acts at its next gate even when every worker is busy; the job confirms it.
-    actions.request(engine, deployment_id, "promote")
-    state = queue.new_state(
-        kind="promote",
-        deployment_id=deployment_id,
-        pool=dep.pool,
-        version=dep.to_version,
-        reason=body.reason if body else "",
-        requested_by=principal.name,
-    )
-    return _submit(request, engine, state, "promote")
+    return _act(request, engine, dep, "promote", dep.to_version, body, principal.name)
 
 
 @router.post("/{deployment_id}/rollback", response_model=Job, status_code=status.HTTP_202_ACCEPTED, summary="Roll back")
@@ -119,13 +131,4 @@ def rollback(
     dep = _get(session, deployment_id)
     if dep.status == "rolled_back":
         raise HTTPException(409, f"deployment {deployment_id} is already rolled back")
-    actions.request(engine, deployment_id, "rollback")
-    state = queue.new_state(
-        kind="rollback",
-        deployment_id=deployment_id,
-        pool=dep.pool,
-        version=dep.from_version,
-        reason=body.reason if body else "",
-        requested_by=principal.name,
-    )
-    return _submit(request, engine, state, "rollback")
+    return _act(request, engine, dep, "rollback", dep.from_version, body, principal.name)
