@@ -73,6 +73,12 @@ def module_pg_url(pg_unavailable: str | None) -> Iterator[str]:
     yield from make_pg_database(pg_unavailable)
 
 
+@pytest.fixture(scope="session")
+def session_pg_url(pg_unavailable: str | None) -> Iterator[str]:
+    """A fresh PostgreSQL database shared by the whole session (skips when there is no server)."""
+    yield from make_pg_database(pg_unavailable)
+
+
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def db_url(request: pytest.FixtureRequest, tmp_path: Path, pg_unavailable: str | None) -> Iterator[str]:
     """An empty database URL, once on SQLite and once on PostgreSQL."""

@@ -4,8 +4,6 @@ each role, and a client that speaks HTTP to the app in process."""
 
 from __future__ import annotations
 
-import os
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,41 +12,18 @@ from api_helpers import Seeded, make_settings, seed_all
 from fastapi.testclient import TestClient
 from sqlalchemy.engine import Engine
 
-PG_ADMIN_URL = os.environ.get("UNDERTOW_TEST_PG_ADMIN_URL", "postgresql+psycopg://root@127.0.0.1:5432/postgres")
-
-
-def _pg_database(reason: str | None) -> Iterator[str]:
-    if reason:
-        pytest.skip(reason)
-    from sqlalchemy import create_engine, text
-
-    name = f"undertow_api_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
-
 
 @pytest.fixture(scope="session", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def shared_url(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, pg_unavailable: str | None
-) -> Iterator[str]:
+def shared_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
     """A migrated database URL for the module, on SQLite and on PostgreSQL."""
     from ingest.db import upgrade
 
     if request.param == "sqlite":
         url = f"sqlite:///{tmp_path_factory.mktemp('api') / 'undertow.db'}"
-        upgrade(url)
-        yield url
     else:
-        for url in _pg_database(pg_unavailable):
-            upgrade(url)
-            yield url
+        url = request.getfixturevalue("session_pg_url")
+    upgrade(url)
+    return url
 
 
 @pytest.fixture(scope="session")
