@@ -27,7 +27,10 @@ def _groups(engine: object) -> int:
         return int(conn.scalar(select(func.count(func.distinct(SessionRow.group_id)))) or 0)
 
 
-def test_rl_run_trains_on_exactly_the_requested_window(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def test_rl_run_trains_on_exactly_the_requested_window(
+    request: pytest.FixtureRequest, tmp_path: Path, backend: str
+) -> None:
     from ingest.synthetic import default_trace_path, load_rates
     from ingest.tables import SessionRow
     from policy.evaluate import EvalConfig
@@ -42,6 +45,11 @@ def test_rl_run_trains_on_exactly_the_requested_window(tmp_path: Path) -> None:
     opts = DemoOptions(steps_per_version=2, groups_per_step=2, gate_min_requests=3)
     os.environ.pop("UNDERTOW_DATABASE_URL", None)
     os.environ.update(_env(tmp_path / "home", opts, 86400.0 / span_s))
+    if backend == "postgres":  # the database and the Celery broker on PostgreSQL, migrated as an operator would
+        from ingest.db import upgrade
+
+        os.environ["UNDERTOW_DATABASE_URL"] = request.getfixturevalue("module_pg_url")
+        upgrade(os.environ["UNDERTOW_DATABASE_URL"])
     stack = None
     devs = None
     try:
