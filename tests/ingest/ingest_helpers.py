@@ -1,11 +1,16 @@
-"""Event builders shared by the ingest tests (imported as ``ingest_helpers``)."""
+"""Event builders and the command-line runner shared by the ingest tests (imported as ``ingest_helpers``)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
+
+from ingest.config import KafkaConfig
 
 
 def session_event(i: int, **over: Any) -> dict[str, Any]:
@@ -144,3 +149,33 @@ class TcpProxy:
 
 DATA = Path(__file__).parent / "data"
 """Third-party trace slices (with attribution) used by the ingest tests."""
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def undertow(args: list[str], env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-c", "from scheduler.cli import main; main()", *args]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def cli_env(tmp_path: Path, bootstrap: str | None, kafka_cfg: KafkaConfig) -> dict[str, str]:
+    env = dict(os.environ, UNDERTOW_HOME=str(tmp_path / "home"))
+    env.update(
+        UNDERTOW_KAFKA__TOPIC=kafka_cfg.topic,
+        UNDERTOW_KAFKA__DLQ_TOPIC=kafka_cfg.dlq_topic,
+        UNDERTOW_KAFKA__GROUP_ID=kafka_cfg.group_id,
+        UNDERTOW_KAFKA__PARTITIONS=str(kafka_cfg.partitions),
+    )
+    env.pop("UNDERTOW_DATABASE_URL", None)
+    if bootstrap:
+        env["UNDERTOW_KAFKA_BOOTSTRAP"] = bootstrap
+    else:
+        env.pop("UNDERTOW_KAFKA_BOOTSTRAP", None)
+    return env
+
+
+def last_json(out: str) -> Any:
+    lines = [line for line in out.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, f"expected exactly one line on stdout, got {out!r}"
+    return json.loads(lines[-1])

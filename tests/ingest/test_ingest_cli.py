@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import subprocess
 import sys
@@ -11,32 +9,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ingest_helpers import raw, session_event, signal_event
+from ingest_helpers import cli_env, last_json, raw, session_event, signal_event, undertow
 
 from ingest.config import KafkaConfig
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def undertow(args: list[str], env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-c", "from scheduler.cli import main; main()", *args]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def cli_env(tmp_path: Path, bootstrap: str | None, kafka_cfg: KafkaConfig) -> dict[str, str]:
-    env = dict(os.environ, UNDERTOW_HOME=str(tmp_path / "home"))
-    env.update(
-        UNDERTOW_KAFKA__TOPIC=kafka_cfg.topic,
-        UNDERTOW_KAFKA__DLQ_TOPIC=kafka_cfg.dlq_topic,
-        UNDERTOW_KAFKA__GROUP_ID=kafka_cfg.group_id,
-        UNDERTOW_KAFKA__PARTITIONS=str(kafka_cfg.partitions),
-    )
-    env.pop("UNDERTOW_DATABASE_URL", None)
-    if bootstrap:
-        env["UNDERTOW_KAFKA_BOOTSTRAP"] = bootstrap
-    else:
-        env.pop("UNDERTOW_KAFKA_BOOTSTRAP", None)
-    return env
 
 
 def in_process(args: list[str], env: dict[str, str]) -> Any:
@@ -48,12 +25,6 @@ def in_process(args: list[str], env: dict[str, str]) -> Any:
     result = CliRunner().invoke(app, args, env=env, catch_exceptions=False)
     result.returncode = result.exit_code
     return result
-
-
-def last_json(out: str) -> Any:
-    lines = [line for line in out.strip().splitlines() if line.strip()]
-    assert len(lines) == 1, f"expected exactly one line on stdout, got {out!r}"
-    return json.loads(lines[-1])
 
 
 def test_ingest_once_stats_and_dlq_round_trip(
