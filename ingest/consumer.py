@@ -16,6 +16,10 @@ Faults:
   broker draws fresh at every start: a new id means a new log, read from its beginning (records
   read twice around the switch are counted as duplicates, never stored twice or lost).
 - ``SIGTERM``: the batch in hand is finished and committed, then the consumer exits.
+- batches compressed with a codec whose library is missing (kafka-python decodes gzip, snappy,
+  lz4 and zstd; the last three need their packages): :class:`UnreadableBatches` stops the
+  consumer at once with what to install (retrying would spin inside the client); nothing past the
+  last commit is stored, so a consumer with the library reads everything.
 
 Pipelining: batches are validated, written and committed by a writer (:mod:`ingest.batches`: a
 validating and a writing process by default, else a thread) while the consumer polls the next
@@ -54,6 +58,10 @@ from ingest.db import transaction
 from ingest.writer import DeadLetter, load_offsets
 
 log = structlog.get_logger(__name__)
+
+
+class UnreadableBatches(RuntimeError):
+    """Records arrived in batches this consumer cannot decode (a compression codec without its library)."""
 
 
 @dataclass
@@ -254,7 +262,7 @@ class IngestConsumer:
 
     def run(self, once: bool = False, max_seconds: float | None = None) -> ConsumerStats:
         """Consume until stopped (or, with ``once``, until caught up with every partition)."""
-        from kafka.errors import KafkaError
+        from kafka.errors import KafkaError, UnsupportedCodecError
 
         thresholds = gc.get_threshold()
         if self.cfg.gc_threshold:
@@ -289,6 +297,13 @@ class IngestConsumer:
                     if self._step(once, time.monotonic() - last_topic_check > self.cfg.topic_check_s):
                         break
                     broker_delay = self.cfg.retry_initial_s
+                except UnsupportedCodecError as exc:  # retrying cannot help: the client would spin on it
+                    raise UnreadableBatches(
+                        f"a producer compressed its batches with a codec this consumer cannot decode ({exc}); "
+                        "install the codec's library (Undertow's dependencies bring python-snappy, lz4 and "
+                        "zstandard) and run ingest again: nothing past the last committed offset was stored, "
+                        "and nothing is lost"
+                    ) from exc
                 except KafkaError as exc:  # the broker is away: the client reconnects by itself
                     log.warning("ingest.broker_unavailable", error=str(exc)[:200], retry_in_s=round(broker_delay, 2))
                     self._stop.wait(broker_delay)

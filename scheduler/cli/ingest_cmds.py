@@ -15,7 +15,7 @@ def ingest(
     max_seconds: float | None = typer.Option(None, help="Stop after this many seconds (default: run until SIGTERM)."),
 ) -> None:
     """Consume telemetry from Kafka into the database (idempotent; commits after each batch)."""
-    from ingest.consumer import IngestConsumer
+    from ingest.consumer import IngestConsumer, UnreadableBatches
     from scheduler.cli.common import print_json, setup
     from scheduler.runtime import open_database, require_bootstrap
 
@@ -26,7 +26,10 @@ def ingest(
         engine, bootstrap, settings.kafka, settings.ingest, mode="assign" if (once or assign) else "group"
     )
     consumer.install_signal_handlers()
-    stats = consumer.run(once=once, max_seconds=max_seconds)
+    try:
+        stats = consumer.run(once=once, max_seconds=max_seconds)
+    except UnreadableBatches as exc:
+        raise SystemExit(f"ingest stopped: {exc}") from exc
     if once:
         counts = ("records", "stored", "duplicates", "dead_letters", "batches", "db_retries")
         print_json({key: getattr(stats, key) for key in counts})
