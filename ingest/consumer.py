@@ -30,6 +30,11 @@ writer takes up to three batches (one committing, one being validated, one on it
 thread writer one. Before
 any seek (partition assignment, revocation, a new cluster) every batch in flight is finished.
 
+Producers: any Kafka client. Batches compressed with gzip, snappy, lz4 or zstd are decoded;
+idempotent producers need nothing; transactional ones are read with read-committed isolation, so
+records of an aborted transaction are never stored (the embedded broker already withholds them;
+a Kafka cluster hands them to clients that read uncommitted).
+
 Validation: :func:`ingest.fastpath.fast_parse` (msgspec) first; what it refuses goes through
 :func:`ingest.schemas.parse_event` (pydantic), which accepts it or names the dead-letter reason.
 
@@ -448,6 +453,8 @@ def fetch_options(bootstrap: str, kafka: KafkaConfig, ingest: IngestConfig) -> d
         "bootstrap_servers": bootstrap,
         "enable_auto_commit": False,
         "auto_offset_reset": "earliest",
+        # A transactional producer's aborted records are never read, its open transactions wait.
+        "isolation_level": "read_committed",
         "max_poll_records": ingest.batch_size,
         "max_partition_fetch_bytes": fetch_bytes,
         "fetch_max_bytes": 4 * fetch_bytes,

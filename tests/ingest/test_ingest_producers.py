@@ -88,3 +88,41 @@ def test_a_codec_without_its_library_stops_ingest_with_a_clear_error_and_loses_n
     fixed = undertow(["ingest", "--once"], env, timeout=180)
     assert fixed.returncode == 0, fixed.stderr[-2000:]
     assert last_json(undertow(["stats", "--json"], env).stdout)["sessions"] == len(events)
+
+
+def test_records_of_an_aborted_transaction_are_never_stored(
+    tmp_path: Path, broker: Any, kafka_cfg: KafkaConfig
+) -> None:
+    """A transactional librdkafka producer aborts one transaction and commits the next: ingest stores
+    the committed events only, and the transaction markers between them are neither events nor dead
+    letters."""
+    from confluent_kafka import Producer
+
+    from ingest.embedded import create_topics
+
+    create_topics(broker.bootstrap, {kafka_cfg.topic: kafka_cfg.partitions, kafka_cfg.dlq_topic: 1})
+    producer = Producer(
+        {
+            "bootstrap.servers": broker.bootstrap,
+            "transactional.id": f"tx-{kafka_cfg.group_id}",
+            "compression.type": "lz4",
+        }
+    )
+    producer.init_transactions(30)
+    aborted = [session_event(i) for i in range(100, 110)]
+    committed = [session_event(i) for i in range(10)]
+    for batch, finish in ((aborted, producer.abort_transaction), (committed, producer.commit_transaction)):
+        producer.begin_transaction()
+        for event in batch:
+            producer.produce(kafka_cfg.topic, raw(event), key=event["session_id"].encode())
+        finish(30)
+    env = cli_env(tmp_path, broker.bootstrap, kafka_cfg)
+    done = undertow(["ingest", "--once"], env, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    stats = last_json(undertow(["stats", "--json"], env).stdout)
+    assert stats == {
+        "events": {"session.completed": len(committed)},
+        "sessions": len(committed),
+        "duplicates": 0,
+        "dead_letters": 0,
+    }
