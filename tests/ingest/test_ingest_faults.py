@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ingest_helpers import TcpProxy, stream_events
+from ingest_helpers import TcpProxy, raw, stream_events
 from sqlalchemy import event, func, select, text
 
 from ingest.config import IngestConfig, KafkaConfig
@@ -47,10 +47,16 @@ def duplicate_count(engine: Any) -> int:
         return int(s.scalar(select(func.count()).select_from(DuplicateRow)) or 0)
 
 
-def produce_in_background(bootstrap: str, topic: str, events: list[dict[str, Any]], rate: float) -> threading.Thread:
-    """Send ``events`` at about ``rate`` per second from a thread (acks=all, every send checked)."""
+def produce_in_background(
+    bootstrap: str, topic: str, events: list[dict[str, Any]], rate: float, client: str = "kafka-python"
+) -> threading.Thread:
+    """Send ``events`` at about ``rate`` per second from a thread (acks=all, every send checked), with
+    kafka-python (the project's producer) or librdkafka (idempotent, lz4-compressed, with headers)."""
 
     def run() -> None:
+        if client == "librdkafka":
+            run_librdkafka()
+            return
         with TelemetryProducer(bootstrap, topic) as producer:
             started = time.monotonic()
             futures = []
@@ -62,6 +68,29 @@ def produce_in_background(bootstrap: str, topic: str, events: list[dict[str, Any
             producer.flush()
             for fut in futures:
                 fut.get(timeout=60)
+
+    def run_librdkafka() -> None:
+        from confluent_kafka import Producer
+
+        failed: list[Any] = []
+        producer = Producer(
+            {"bootstrap.servers": bootstrap, "enable.idempotence": True, "compression.type": "lz4", "linger.ms": 20}
+        )
+        started = time.monotonic()
+        for i, ev in enumerate(events):
+            headers = [("source", b"editor-plugin"), ("trace-id", str(i).encode())]
+            producer.produce(
+                topic,
+                raw(ev),
+                key=(ev.get("session_id") or ev["event_id"]).encode(),
+                headers=headers,
+                on_delivery=lambda err, _msg: failed.append(err) if err else None,
+            )
+            producer.poll(0)
+            ahead = i / rate - (time.monotonic() - started)
+            if ahead > 0:
+                time.sleep(ahead)
+        assert producer.flush(60) == 0 and not failed
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
@@ -84,7 +113,11 @@ def assert_exactly_once(engine: Any, events: list[dict[str, Any]]) -> None:
 
 
 @pytest.mark.slow
-def test_kill_9_three_times_while_20000_events_stream(tmp_path: Path, broker: Any, kafka_cfg: KafkaConfig) -> None:
+@pytest.mark.parametrize("client", ["kafka-python", "librdkafka"])
+def test_kill_9_three_times_while_20000_events_stream(
+    tmp_path: Path, broker: Any, kafka_cfg: KafkaConfig, client: str
+) -> None:
+    """With the project's producer, and with librdkafka sending idempotent lz4 batches with headers."""
     kafka_cfg = kafka_cfg.model_copy(update={"partitions": 4})
     create_topics(broker.bootstrap, {kafka_cfg.topic: 4, kafka_cfg.dlq_topic: 1})
     url = f"sqlite:///{tmp_path / 'kill.db'}"
@@ -109,7 +142,7 @@ def test_kill_9_three_times_while_20000_events_stream(tmp_path: Path, broker: An
 
     rng = random.Random(20_000)
     # Slow enough that the stream outlasts three kills: a restarted consumer catches up within seconds.
-    producer = produce_in_background(broker.bootstrap, kafka_cfg.topic, events, rate=700)
+    producer = produce_in_background(broker.bootstrap, kafka_cfg.topic, events, rate=700, client=client)
     proc = start()
     try:
         for kill in range(3):
