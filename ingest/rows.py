@@ -92,6 +92,8 @@ class Codec:
     """JSON text as the driver takes it for a ``JSON`` column."""
     error: type[Exception]
     """The driver's base exception class (re-raised as SQLAlchemy's ``DBAPIError``)."""
+    text: Callable[[str | None], str | None] = lambda text: text
+    """Free text (prompts, completions, segments) as the database can hold it."""
 
     @cache  # noqa: B019 (codecs are module-level singletons, never freed)
     def insert(self, table: str, columns: tuple[str, ...], skip_conflicts: bool) -> str:
@@ -109,6 +111,11 @@ def _same(text: str) -> str:
     return text
 
 
+def no_nul(text: str | None) -> str | None:
+    """PostgreSQL text cannot hold NUL: a sampled ``\x00`` is stored as U+FFFD (the token ids keep it exactly)."""
+    return text.replace("\x00", "\ufffd") if text and "\x00" in text else text
+
+
 @cache
 def codec_for(dialect: str) -> Codec:
     """The codec of a SQLAlchemy dialect name (SQLite or PostgreSQL)."""
@@ -118,7 +125,7 @@ def codec_for(dialect: str) -> Codec:
         import psycopg
         from psycopg.types.json import Json
 
-        return Codec("postgresql", "%s", as_utc, lambda text: Json(text, dumps=_same), psycopg.Error)
+        return Codec("postgresql", "%s", as_utc, lambda text: Json(text, dumps=_same), psycopg.Error, no_nul)
     raise RuntimeError(f"Unsupported database dialect {dialect!r}: use SQLite or PostgreSQL.")
 
 
@@ -217,7 +224,7 @@ def session_values(
                 completion.append(s.text)
             if s.token_ids:
                 n_tokens += len(s.token_ids)
-        segments.append((sid, i, s.role, s.text, pack_ids(s.token_ids), pack_floats(s.logprobs)))
+        segments.append((sid, i, s.role, codec.text(s.text), pack_ids(s.token_ids), pack_floats(s.logprobs)))
     sampling = p.sampling
     row = (
         sid,
@@ -229,9 +236,9 @@ def session_values(
         p.policy_version,
         p.group_id,
         p.candidate_index,
-        p.prompt.text,
+        codec.text(p.prompt.text),
         pack_ids(p.prompt.token_ids),
-        "".join(completion),
+        codec.text("".join(completion)),
         n_tokens,
         p.experts_npy(),
         sampling.logprobs_mode if sampling is not None and sampling.logprobs_mode else "raw",

@@ -192,3 +192,23 @@ def test_the_duplicate_lookup_is_never_a_cached_generic_plan(engine: Any) -> Non
         if engine.dialect.name == "postgresql":
             prepared = s.execute(text("SELECT statement FROM pg_prepared_statements")).scalars().all()
             assert not [q for q in prepared if "SELECT event_id" in q], prepared
+
+
+def test_a_sampled_nul_character_is_stored_on_both_databases(engine: Any) -> None:
+    """A model can sample ``\\x00``; PostgreSQL text cannot hold it, and the batch must not fail forever.
+    The text keeps a visible U+FFFD there (SQLite keeps the NUL); the token ids stay exact."""
+    event = session_event(1)
+    event["payload"]["prompt"]["text"] = "Write\x00 a function."
+    for seg in event["payload"]["segments"]:
+        seg["text"] = (seg["text"] or "") + "\x00tail"
+    with transaction(engine) as s:
+        assert write_events(s, [ev(event)]).stored == 1
+    nul = "\x00" if engine.dialect.name == "sqlite" else "\ufffd"
+    with transaction(engine) as s:
+        row = s.scalars(select(SessionRow)).one()
+        assert row.prompt_text == f"Write{nul} a function." and row.completion_text.endswith(f"{nul}tail")
+        segments = s.scalars(select(SegmentRow).order_by(SegmentRow.idx)).all()
+        assert all(seg.text.endswith(f"{nul}tail") for seg in segments)
+        assert [unpack_ids(seg.token_ids).tolist() for seg in segments] == [
+            seg["token_ids"] for seg in event["payload"]["segments"]
+        ]

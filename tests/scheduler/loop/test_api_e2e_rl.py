@@ -68,7 +68,7 @@ def test_rl_run_trains_on_exactly_the_requested_window(
             DeveloperConfig(mean_rps=1.0, max_tokens=24),
         )
         threading.Thread(target=lambda: asyncio.run(devs.run()), daemon=True).start()
-        wait_for(lambda: _groups(stack.engine) >= 12, timeout=240, every=1.0, what="candidate groups stored")
+        wait_for(lambda: _groups(stack.engine) >= 12, timeout=480, every=1.0, what="candidate groups stored")
         with stack.engine.connect() as conn:
             stamps = sorted(conn.scalars(select(SessionRow.occurred_at)))
         since = stamps[len(stamps) // 2]

@@ -72,10 +72,10 @@ def test_cancel_stops_the_running_training_and_the_steps_after_it(shared: dict[s
     state = LoopState(run_id="cancel-1", kind="loop", rl=RLInputs(steps=10_000, extra={"step_sleep_s": 0.05}))
     job_id = submit(engine, settings, state)
     wait_for(lambda: [x for x in leases.active_leases(engine) if x["state"] == "lent"], what="training on a replica")
-    time.sleep(3.0)  # some training steps
+    checkpoint = Path(shared["UNDERTOW_HOME"]) / "checkpoints" / "cancel-1.ckpt"
+    wait_for(checkpoint.exists, timeout=120, every=0.05, what="training steps (a periodic checkpoint)")
     row, cancelled = cancel(engine, settings, job_id, "test")
     assert cancelled and row.state == "REVOKED"
-    checkpoint = Path(shared["UNDERTOW_HOME"]) / "checkpoints" / "cancel-1.ckpt"
     wait_for(lambda: not leases.active_leases(engine) and checkpoint.exists(), timeout=60, what="training stopped")
     time.sleep(2.0)  # a later step would have started by now
     steps = _jobs(engine, job_id)
