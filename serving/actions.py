@@ -107,12 +107,12 @@ async def _ask_deployer(
     row = await _wait_finished(db, deployment_id, config, timeout_s)
     if row.status != outcome:
         return row, None
-    return row, ActionResult(deployment_id, action, row.status, row.message, _target(db, row.pool)[0])
+    return row, ActionResult(deployment_id, action, row.status, row.message, _target(db, row.pool))
 
 
-def _target(db: Engine, pool: str) -> tuple[str | None, str | None]:
+def _target(db: Engine, pool: str) -> str | None:
     row = fleet.get_target(db, pool)
-    return (row.version, row.weights_hash) if row is not None else (None, None)
+    return row.version if row is not None else None
 
 
 async def promote(
@@ -122,7 +122,7 @@ async def promote(
     row, done = await _ask_deployer(db, deployment_id, "promote", "succeeded", config, timeout_s)
     if done is not None:
         return done
-    target, _ = _target(db, row.pool)
+    target = _target(db, row.pool)
     if target == row.to_version and row.status == "succeeded":
         return ActionResult(deployment_id, "promote", row.status, "already promoted", target, changed=False)
     result = await rollout(
@@ -133,7 +133,7 @@ async def promote(
         "promote",
         _load(db, deployment_id).status,
         result.message,
-        _target(db, row.pool)[0],
+        _target(db, row.pool),
         follow_up=result.deployment_id,
     )
 
@@ -145,7 +145,7 @@ async def rollback(
     row, done = await _ask_deployer(db, deployment_id, "rollback", "rolled_back", config, timeout_s)
     if done is not None:
         return done
-    target, _ = _target(db, row.pool)
+    target = _target(db, row.pool)
     if row.status in ("rolled_back", "failed") and target == row.from_version:
         return ActionResult(
             deployment_id,
@@ -173,5 +173,5 @@ async def rollback(
         message = acted.message
     log.info("deploy.operator_rollback", deployment=deployment_id, restored=row.from_version)
     return ActionResult(
-        deployment_id, "rollback", "rolled_back", message, _target(db, row.pool)[0], follow_up=result.deployment_id
+        deployment_id, "rollback", "rolled_back", message, _target(db, row.pool), follow_up=result.deployment_id
     )

@@ -108,19 +108,15 @@ def stage_sizes(n: int, config: DeployConfig) -> list[int]:
     return sizes
 
 
-def _beat(db: Engine, dep_id: int) -> None:
-    """Record that the deployer is alive (see :func:`serving.fleet.recover_stale`)."""
+def _beat(db: Engine, dep_id: int) -> str | None:
+    """Record that the deployer is alive (see :func:`serving.fleet.recover_stale`); returns what an
+    operator asked of this deployment meanwhile (``promote``/``rollback``, :mod:`serving.actions`)."""
     with transaction(db) as s:
         row = s.get(DeploymentRow, dep_id)
-        if row is not None:
-            row.heartbeat_at = _now()
-
-
-def _requested(db: Engine, dep_id: int) -> str | None:
-    """What an operator asked of this running deployment (:mod:`serving.actions`), if anything."""
-    with transaction(db) as s:
-        row = s.get(DeploymentRow, dep_id)
-        return row.requested if row is not None else None
+        if row is None:
+            return None
+        row.heartbeat_at = _now()
+        return row.requested
 
 
 async def _wait_gate(
@@ -128,14 +124,12 @@ async def _wait_gate(
     new_v: str,
     old_v: str,
     config: DeployConfig,
-    beat: Callable[[], None],
-    requested: Callable[[], str | None],
+    beat: Callable[[], str | None],
 ) -> tuple[bool, str, dict[str, Any]]:
     """Judge a stage once the new version has its minimum sample, or when an operator decides first."""
     deadline = time.monotonic() + config.gate_max_wait_s
     while True:
-        beat()
-        asked = requested()
+        asked = beat()
         if asked == "promote":
             return True, "promoted by an operator", {}
         if asked == "rollback":
@@ -293,7 +287,6 @@ async def rollout(
                         old_version,
                         config,
                         lambda: _beat(db, dep_id),
-                        lambda: _requested(db, dep_id),
                     )
                     overall["gate"] += time.perf_counter() - begin
                     stage["metrics"] = observed

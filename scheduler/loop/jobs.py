@@ -26,6 +26,7 @@ from typing import Any
 
 from sqlalchemy import or_, select, update
 from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session
 
 from ingest.db import transaction
 from scheduler.tables import JobRow
@@ -196,11 +197,16 @@ def reap_lost(engine: Engine, lost_after_s: float, now: datetime | None = None) 
             )
         )
         for row in stale:
-            row.state, row.finished_at, row.error = "LOST", now, why
-            job = s.get(JobRow, row.chain_id) if row.chain_id and row.chain_id != row.id else None
-            if job is not None and job.state in ("STARTED", "PENDING"):
-                job.state, job.finished_at, job.error = "LOST", now, f"step {row.name} lost: {why}"
+            _lose(s, row, why, now)
         return [row.id for row in stale]
+
+
+def _lose(s: Session, row: JobRow, why: str, now: datetime) -> None:
+    """Mark a step run LOST, and its job with it."""
+    row.state, row.finished_at, row.error = "LOST", now, why
+    job = s.get(JobRow, row.chain_id) if row.chain_id and row.chain_id != row.id else None
+    if job is not None and job.state in ("STARTED", "PENDING"):
+        job.state, job.finished_at, job.error = "LOST", now, f"step {row.name} lost: {why}"
 
 
 def mark_lost(engine: Engine, task_id: str, reason: str) -> bool:
@@ -210,10 +216,7 @@ def mark_lost(engine: Engine, task_id: str, reason: str) -> bool:
         row = s.get(JobRow, task_id, with_for_update=True)
         if row is None or row.state != "STARTED":
             return False
-        row.state, row.finished_at, row.error = "LOST", now, reason
-        job = s.get(JobRow, row.chain_id) if row.chain_id and row.chain_id != row.id else None
-        if job is not None and job.state in ("STARTED", "PENDING"):
-            job.state, job.finished_at, job.error = "LOST", now, f"step {row.name} lost: {reason}"
+        _lose(s, row, reason, now)
     return True
 
 

@@ -34,7 +34,6 @@ from reward_models.triggers import retrain_decision
 from scheduler.loop.state import DeploymentOutcome, IngestCounts, LoopState, RewardModelOutcome, SnapshotOutcome
 from serving import actions, deploy
 from serving.fleet import get_target
-from serving.tables import DeploymentRow
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
@@ -205,19 +204,16 @@ def rollout(ctx: StepContext, state: LoopState) -> LoopState:
 
 
 def _act(ctx: StepContext, state: LoopState, action: str) -> LoopState:
-    if state.deployment_id is None:
-        raise ValueError(f"{action} needs the id of the deployment to act on")
+    if state.deployment_id is None or state.version is None:
+        raise ValueError(f"{action} needs the deployment to act on and the version it leaves the pool on")
     cfg = ctx.settings.serving
     run = actions.promote if action == "promote" else actions.rollback
     result = asyncio.run(run(ctx.engine, state.deployment_id, cfg.deploy, cfg.fleet))
-    with transaction(ctx.engine) as s:
-        row = s.get(DeploymentRow, state.deployment_id)
-        version = (row.to_version if action == "promote" else row.from_version) if row else ""
     outcome = DeploymentOutcome(
         deployment_id=result.follow_up or result.deployment_id,
         status=result.status if result.changed else "unchanged",
         message=result.message,
-        version=version,
+        version=state.version,
         target=result.target,
     )
     return state.model_copy(update={"deployment": outcome})

@@ -9,12 +9,12 @@ queued steps of a chain as well as the running one.
 from __future__ import annotations
 
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from celery import chain
 
 from scheduler.loop import jobs
-from scheduler.loop.state import JOB_STEPS, LoopState
+from scheduler.loop.state import JOB_STEPS, LoopState, Step
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -56,8 +56,10 @@ def submit(engine: Engine, settings: Settings, state: LoopState, *, celery: Cele
     plan = [(f"{job_id}-{i}-{step.value}", step) for i, step in enumerate(_steps(state))]
     jobs.create(engine, job_id, state.kind, state.wire(), [(task_id, step.task_name) for task_id, step in plan])
     celery = celery or producer(settings)
-    signatures = [celery.signature(step.task_name).set(task_id=task_id) for task_id, step in plan]
-    signatures[0] = celery.signature(plan[0][1].task_name, args=(state.wire(),)).set(task_id=plan[0][0])
+    signatures = [
+        celery.signature(step.task_name, args=(state.wire(),) if i == 0 else ()).set(task_id=task_id)
+        for i, (task_id, step) in enumerate(plan)
+    ]
     # Every task of the chain reports ``root_id``: the job id, though no task has it as its own id.
     canvas = chain(*signatures) if len(signatures) > 1 else signatures[0]
     try:
@@ -74,10 +76,10 @@ def submit(engine: Engine, settings: Settings, state: LoopState, *, celery: Cele
     return job_id
 
 
-def _steps(state: LoopState) -> list[Any]:
+def _steps(state: LoopState) -> list[Step]:
     steps = list(JOB_STEPS[state.kind])
     if state.kind == "loop" and not state.evaluate:
-        steps = [s for s in steps if s.value != "evaluate"]
+        steps.remove(Step.EVALUATE)
     return steps
 
 
