@@ -65,6 +65,11 @@ class FileChange(_Part):
     lines_removed: Count
 
 
+class Turn(_Part):
+    session_id: Id
+    index: Count
+
+
 class SessionCompletedPayload(_Part):
     model: Id
     policy_version: Id
@@ -72,6 +77,7 @@ class SessionCompletedPayload(_Part):
     segments: Annotated[list[Segment], msgspec.Meta(min_length=1)]
     group_id: Id | None = None
     candidate_index: Count | None = None
+    turn: Turn | None = None
     routed_experts: bytes | None = None
     """Decoded from base64 by msgspec (stricter than ``base64.b64decode(validate=True)``: never looser)."""
     sampling: Sampling | None = None

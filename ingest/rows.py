@@ -184,17 +184,22 @@ def signal_values(event: Event, received: Any, codec: Codec) -> Row:
 
 
 def extra_json(p: schemas.SessionCompletedPayload | fastpath.SessionCompletedPayload) -> str:
-    """``sessions.extra``: sampling parameters, files and unknown payload fields, as JSON text."""
+    """``sessions.extra``: the agent-session turn, sampling parameters, files and unknown payload
+    fields, as JSON text."""
     if isinstance(p, fastpath.SessionCompletedPayload):  # no unknown fields anywhere: sampling and files only
-        if p.sampling is None and p.files is None:
+        if p.sampling is None and p.files is None and p.turn is None:
             return "{}"
         fast: dict[str, Any] = {}
+        if p.turn is not None:
+            fast["turn"] = p.turn
         if p.sampling is not None:
             fast["sampling"] = p.sampling  # encoded without its None fields (omit_defaults)
         if p.files is not None:
             fast["files"] = p.files
         return msgspec.json.encode(fast).decode()
     extra: dict[str, Any] = dict(p.model_extra or {})
+    if p.turn is not None:
+        extra["turn"] = p.turn.model_dump(mode="json")
     if p.sampling is not None:
         extra["sampling"] = p.sampling.model_dump(mode="json", exclude_none=True)
     if p.files is not None:

@@ -228,11 +228,19 @@ def checked_npy(raw: bytes) -> bytes:
     return raw
 
 
+class Turn(_Open):
+    """Where a served response sits in an agent session: the session's id and the turn's index."""
+
+    session_id: Id
+    index: Count
+
+
 class SessionCompletedPayload(_Open):
     model: Id
     policy_version: Id
     group_id: Id | None = None
     candidate_index: Count | None = None
+    turn: Turn | None = None
     prompt: Prompt
     segments: list[Segment] = Field(min_length=1)
     routed_experts: str | None = None

@@ -34,7 +34,7 @@ from __future__ import annotations
 import inspect
 import threading
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +44,20 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
 _STATE = threading.local()
+
+
+@dataclass
+class SampledToken:
+    """One token as the sampler drew it (streaming): its row, id, raw logprob and the top ones."""
+
+    row: int
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+TokenSink = Callable[[list[SampledToken]], bool]
+"""Streaming callback: one step's sampled tokens; returning False stops sampling."""
 
 
 @dataclass
@@ -213,11 +227,17 @@ def sample_batch(
     seed: int | None = None,
     stop_token_ids: Sequence[int] = (),
     pad_token_id: int = 0,
+    on_tokens: TokenSink | None = None,
+    top_logprobs: int = 0,
 ) -> list[tuple[list[int], str]]:
     """Sample one continuation per prompt (left-padded batch, KV cache); no scoring.
 
     Returns ``(token_ids, finish_reason)`` per prompt. The sampler's logits come from a padded
     incremental pass; use :func:`score_tokens` for the logprobs anything else consumes.
+
+    ``on_tokens`` (streaming) receives each step's new tokens with their raw logprob under the
+    sampler's pass (and the ``top_logprobs`` most likely tokens); when it returns False, sampling
+    stops and the rows still running finish with ``abort``.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token (e.g. the EOS/BOS id)")
@@ -249,19 +269,48 @@ def sample_batch(
         logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, **kv).logits[:, -1]
         for step in range(max_tokens):
             nxt = _sample(logits, temperature, top_p, gen)
+            emitted: list[SampledToken] = []
+            raw = torch.log_softmax(logits.float(), dim=-1) if on_tokens is not None else None
             for i in range(n):
                 if alive[i]:
                     tok = int(nxt[i])
                     outputs[i].append(tok)
+                    if raw is not None:
+                        emitted.append(SampledToken(i, tok, float(raw[i, tok]), _top(raw[i], top_logprobs)))
                     if tok in stops:
                         alive[i] = False
                         finish[i] = "stop"
+            if on_tokens is not None and not on_tokens(emitted):
+                finish = ["abort" if alive[i] else finish[i] for i in range(n)]
+                break
             if not any(alive) or step == max_tokens - 1:
                 break
             mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.int64)], dim=1)
             positions = positions[:, -1:] + 1
             logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=positions, **kv).logits[:, -1]
     return list(zip(outputs, finish, strict=True))
+
+
+def _top(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
+    if k <= 0:
+        return []
+    values, ids = logprobs.topk(k)
+    return [(int(i), float(v)) for i, v in zip(ids, values, strict=True)]
+
+
+def top_logprobs(
+    model: PreTrainedModel, token_ids: Sequence[int], *, prompt_len: int, k: int
+) -> list[list[tuple[int, float]]]:
+    """The ``k`` most likely tokens and their raw logprobs at each completion position (one full pass,
+    the shape :func:`score_tokens` uses)."""
+    if k <= 0 or len(token_ids) <= prompt_len:
+        return [[] for _ in range(max(len(token_ids) - prompt_len, 0))]
+    install_routing(model)
+    with torch.no_grad():
+        ids = torch.tensor([[int(t) for t in token_ids]], dtype=torch.int64)
+        logits = model(input_ids=ids).logits[0, prompt_len - 1 : len(token_ids) - 1]
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+    return [_top(row, k) for row in logprobs]
 
 
 def generate(
@@ -274,8 +323,14 @@ def generate(
     seed: int | None = None,
     n: int = 1,
     stop_token_ids: Sequence[int] = (),
+    on_tokens: TokenSink | None = None,
+    top_k_stream: int = 0,
 ) -> list[Generation]:
-    """Sample ``n`` continuations of ``prompt_ids``; logprobs and experts come from :func:`score_tokens`."""
+    """Sample ``n`` continuations of ``prompt_ids``; logprobs and experts come from :func:`score_tokens`.
+
+    ``on_tokens`` streams tokens as they are sampled (see :func:`sample_batch`); an aborted
+    generation is returned as far as it went, scored the same way.
+    """
     prompt = [int(t) for t in prompt_ids]
     if n < 1:
         raise ValueError(f"n must be >= 1 (got {n})")
@@ -287,6 +342,8 @@ def generate(
         top_p=top_p,
         seed=seed,
         stop_token_ids=stop_token_ids,
+        on_tokens=on_tokens,
+        top_logprobs=top_k_stream,
     )
     results = []
     for tokens, reason in sampled:

@@ -128,6 +128,10 @@ def save_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
     tmp = final.with_name(final.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else None
+    if isinstance(end_of_turn, int) and model.generation_config is not None:
+        # vLLM stops at every id in generation_config.json's eos_token_id: the end of a text and of a chat turn
+        model.generation_config.eos_token_id = [int(tokenizer.eos_token_id), end_of_turn]
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     if final.exists():

@@ -6,7 +6,12 @@ encodable (byte-level alphabet) and common Python fragments (``return``, ``    `
 are single tokens. Training is deterministic for the same texts and vocabulary size.
 
 Special tokens, in id order: ``<|endoftext|>`` (0, end of a completion, also used as BOS),
-``<|pad|>`` (1) and ``<|summary|>`` (2, opens an agent's self-summary segment).
+``<|pad|>`` (1) and ``<|summary|>`` (2, opens an agent's self-summary segment). After the learned
+merges come the chat tokens: ``<|im_start|>`` and ``<|im_end|>`` (special: they frame a turn) and
+``<tool_call>`` / ``</tool_call>`` (plain added tokens, kept in decoded text so a tool-call parser
+sees them). The chat template (:data:`policy.chat_template.CHAT_TEMPLATE`) is set on every tokenizer
+and saved in its ``tokenizer_config.json``, so vLLM renders a conversation exactly as the CPU
+engine does.
 """
 
 from __future__ import annotations
@@ -14,14 +19,20 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
+
+from policy.chat_template import CHAT_TEMPLATE, IM_END, IM_START, TOOL_CALL_END, TOOL_CALL_START
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
 SUMMARY = "<|summary|>"
 SPECIAL_TOKENS = (EOS, PAD, SUMMARY)
+CHAT_SPECIAL_TOKENS = (IM_START, IM_END)
+TOOL_TOKENS = (TOOL_CALL_START, TOOL_CALL_END)
 DEFAULT_VOCAB_SIZE = 512
+REVISION = 2
+"""Bumped whenever trained tokenizers change (2: chat and tool-call tokens); caches key on it."""
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE) -> PreTrainedTokenizerFast:
@@ -38,19 +49,27 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE) 
         show_progress=False,
     )
     tok.train_from_iterator(list(texts), trainer=trainer)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CHAT_SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
     return wrap(tok)
 
 
 def wrap(tok: Tokenizer) -> PreTrainedTokenizerFast:
-    """Wrap a ``tokenizers.Tokenizer`` with Undertow's special tokens."""
-    return PreTrainedTokenizerFast(
+    """Wrap a ``tokenizers.Tokenizer`` with Undertow's special tokens (and the chat template when
+    the tokenizer has the chat tokens)."""
+    chat = all(tok.token_to_id(t) is not None for t in CHAT_SPECIAL_TOKENS + TOOL_TOKENS)
+    specials = [SUMMARY, *CHAT_SPECIAL_TOKENS] if chat else [SUMMARY]
+    wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=EOS,
         bos_token=EOS,
         pad_token=PAD,
-        additional_special_tokens=[SUMMARY],
+        additional_special_tokens=specials,
         clean_up_tokenization_spaces=False,
     )
+    if chat:
+        wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
 
 
 def default_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE) -> PreTrainedTokenizerFast:

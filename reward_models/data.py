@@ -1,6 +1,7 @@
 """Read sessions and signals from the ingest tables into pandas frames.
 
-``load_sessions`` returns one row per session with the texts the reward models read, the
+``load_sessions`` returns one row per session (for an agent session, one per turn, with the
+session's id in ``agent_session``) with the texts the reward models read, the
 policy's own mean logprob over the generated tokens (its confidence, the baseline every model
 must beat) and edit statistics from ``files``. ``load_signals`` returns every signal row with
 its payload. Times are timezone-aware UTC, as the ingest tables' columns return them.
@@ -34,6 +35,7 @@ SESSION_COLUMNS = [
     "mean_logprob",
     "lines_added",
     "lines_removed",
+    "agent_session",
 ]
 SIGNAL_COLUMNS = [
     "event_id",
@@ -58,6 +60,12 @@ def mean_logprob(chunks: Sequence[bytes | None]) -> float:
     if values.size == 0 or not np.all(np.isfinite(values)):
         return float("nan")
     return float(values.mean())
+
+
+def _agent_session(extra: dict[str, Any] | None) -> str | None:
+    """The agent session a turn belongs to (``payload.turn.session_id``), if any."""
+    turn = (extra or {}).get("turn")
+    return str(turn["session_id"]) if isinstance(turn, dict) and turn.get("session_id") else None
 
 
 def _edit_stats(extra: dict[str, Any] | None) -> tuple[float, float]:
@@ -135,6 +143,7 @@ def load_sessions(
                 "mean_logprob": mean_logprob(logprobs.get(r.session_id, [])),
                 "lines_added": added,
                 "lines_removed": removed,
+                "agent_session": _agent_session(r.extra),
             }
         )
     frame = pd.DataFrame.from_records(records, columns=SESSION_COLUMNS)
@@ -197,6 +206,7 @@ def session_records(events: Sequence[dict[str, Any]]) -> pd.DataFrame:
                 "mean_logprob": lp,
                 "lines_added": added,
                 "lines_removed": removed,
+                "agent_session": _agent_session(p),
             }
         )
     return pd.DataFrame.from_records(records, columns=SESSION_COLUMNS)

@@ -265,6 +265,28 @@ def coverage(labels: pd.DataFrame, weights: dict[str, float]) -> dict[str, dict[
     return out
 
 
+def session_wide(sessions: pd.DataFrame, signals: pd.DataFrame) -> pd.DataFrame:
+    """Signals aimed at a whole agent session, copied onto each of its turns.
+
+    A signal may target one turn (its stored session id, ``S.t{n}``) or the agent session ``S``;
+    the latter reaches every turn of ``S`` (a session's outcome credits all its turns). A turn's
+    own signal of the same kind, if later, still wins (labels keep the latest).
+    """
+    if signals.empty or "agent_session" not in sessions or sessions["agent_session"].isna().all():
+        return signals
+    turns = sessions.dropna(subset=["agent_session"])[["agent_session", "session_id"]]
+    known = set(sessions["session_id"])
+    wide = signals[signals["session_id"].isin(set(turns["agent_session"])) & ~signals["session_id"].isin(known)]
+    if wide.empty:
+        return signals
+    copies = wide.merge(turns, left_on="session_id", right_on="agent_session", suffixes=("_target", ""))
+    copies["event_id"] = copies["event_id"] + "@" + copies["session_id"]
+    copies = copies[signals.columns]
+    rest = signals.drop(index=wide.index)
+    merged = pd.concat([rest, copies], ignore_index=True)
+    return merged.sort_values(["occurred_at", "event_id"], kind="stable").reset_index(drop=True)
+
+
 def build_labels(
     sessions: pd.DataFrame,
     signals: pd.DataFrame,
@@ -274,6 +296,7 @@ def build_labels(
 ) -> LabelSet:
     """All labels for ``sessions`` as of ``now`` (signals whose session is unknown are counted, not used)."""
     skipped: dict[str, int] = {}
+    signals = session_wide(sessions, signals)
     if not signals.empty:
         scoped = signals[
             signals["session_id"].notna() & ~signals["type"].isin(["candidates.shown", "candidate.selected"])

@@ -25,7 +25,8 @@ class EngineError(RuntimeError):
         self.message = message
 
 
-def _message(resp: httpx.Response) -> str:
+def error_message(resp: httpx.Response) -> str:
+    """The message of an engine's error answer (OpenAI's shape, FastAPI's, or plain text)."""
     try:
         body = resp.json()
     except ValueError:
@@ -64,12 +65,16 @@ class EngineClient:
         except httpx.TransportError as exc:
             raise EngineError(self.base_url, 0, f"unreachable ({exc.__class__.__name__})") from exc
         if resp.status_code >= 400:
-            raise EngineError(self.base_url, resp.status_code, _message(resp))
+            raise EngineError(self.base_url, resp.status_code, error_message(resp))
         return resp
 
     async def completions_raw(self, body: dict[str, Any]) -> dict[str, Any]:
         """``POST /v1/completions`` with a JSON body; the parsed answer."""
-        resp = await self._call("POST", "/v1/completions", json=body)
+        return await self.post_json("/v1/completions", body)
+
+    async def post_json(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST path`` with a JSON body (completions, chat completions); the parsed answer."""
+        resp = await self._call("POST", path, json=body)
         data: dict[str, Any] = resp.json()
         return data
 

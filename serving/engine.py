@@ -1,6 +1,8 @@
 """The CPU reference engine: vLLM 0.33's OpenAI-server subset over HTTP, running the torch policy.
 
-Endpoints (vLLM names and shapes): ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``,
+Endpoints (vLLM names and shapes): ``POST /v1/completions`` and ``POST /v1/chat/completions``
+(whole or streamed as server-sent events; :mod:`serving.generation`, :mod:`serving.chat`),
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (vLLM's request and token counters),
 ``POST /sleep?level=``, ``POST /wake_up``, ``GET /is_sleeping``, ``POST /pause``,
 ``POST /resume``, ``GET /is_paused`` and ``POST /collective_rpc`` carrying the Undertow weight
 methods of :data:`serving.protocol.WEIGHT_RPC_METHODS` (the same methods the vLLM worker
@@ -15,33 +17,31 @@ On CPU there is nowhere to offload weights to: both sleep levels keep them in me
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 import time
-import uuid
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-import numpy as np
 import structlog
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from serving import generation
+from serving.chat import ChatError, forced_prefix, render_prompt, tool_names
 from serving.config import EngineConfig
+from serving.generation import Job
 from serving.memory import reserve, retain_freed_memory
 from serving.protocol import (
     ApplyRequest,
-    CompletionChoice,
-    CompletionLogprobs,
+    ChatCompletionRequest,
     CompletionRequest,
-    CompletionResponse,
     PrefetchRequest,
     RpcRequest,
-    Usage,
+    SampledRequest,
 )
-from serving.runner import ModelRunner, Sample
+from serving.runner import ModelRunner
 from serving.weights import WeightUpdater
 
 log = structlog.get_logger(__name__)
@@ -72,6 +72,9 @@ class EngineState:
         self.inflight = 0
         self.idle = asyncio.Condition()
         self.paused_at: float | None = None
+        self.finished: Counter[str] = Counter()
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
 
     async def enter(self) -> None:
         await self.running.wait()
@@ -87,36 +90,10 @@ class EngineState:
             await asyncio.wait_for(self.idle.wait_for(lambda: self.inflight == 0), timeout_s)
 
 
-def encode_experts(array: np.ndarray) -> str:
-    """Base64 of a ``.npy`` file, as vLLM sends ``routed_experts``."""
-    buf = io.BytesIO()
-    np.save(buf, np.ascontiguousarray(array), allow_pickle=False)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def _choice(
-    index: int, sample: Sample, prompt_ids: list[int], request: CompletionRequest, tokenizer: Any
-) -> CompletionChoice:
-    logprobs = None
-    if request.logprobs is not None:
-        tokens = [tokenizer.decode([t]) for t in sample.token_ids]
-        top = [{tok: lp} for tok, lp in zip(tokens, sample.logprobs, strict=True)] if request.logprobs else None
-        logprobs = CompletionLogprobs(tokens=tokens, token_logprobs=sample.logprobs, top_logprobs=top)
-    return CompletionChoice(
-        index=index,
-        text=sample.text,
-        logprobs=logprobs,
-        finish_reason=sample.finish_reason,  # type: ignore[arg-type]
-        stop_reason=sample.stop_reason,
-        prompt_token_ids=prompt_ids if request.return_token_ids else None,
-        token_ids=sample.token_ids if request.return_token_ids else None,
-        routed_experts=encode_experts(sample.routed_experts) if sample.routed_experts is not None else None,
-    )
-
-
 def create_engine_app(runner: ModelRunner, updater: WeightUpdater, config: EngineConfig) -> FastAPI:
     """The engine's FastAPI app around a loaded runner and its weight updater."""
     app = FastAPI(title="Undertow CPU engine", docs_url=None, redoc_url=None)
+    max_model_len = min(config.max_model_len, runner.context_limit or config.max_model_len)
     state = EngineState()
     app.state.engine = state
     # Weight calls run one at a time on a thread of their own: a prefetch, an apply and a discard
@@ -145,58 +122,138 @@ def create_engine_app(runner: ModelRunner, updater: WeightUpdater, config: Engin
             "created": int(time.time()),
             "owned_by": "undertow",
             "root": str(runner.checkpoint),
-            "max_model_len": config.max_model_len,
+            "max_model_len": max_model_len,
         }
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions", response_model=None)
-    async def completions(request: CompletionRequest) -> CompletionResponse | JSONResponse:
-        if request.model not in (None, config.served_model_name):
+    def check(model: str | None, n: int, max_tokens: int | None, prompt_len: int) -> JSONResponse | int:
+        """The completion budget for a request, or the error that refuses it."""
+        if model not in (None, config.served_model_name):
             return openai_error(
                 404,
-                f"model {request.model!r} does not exist; this engine serves {config.served_model_name!r}",
+                f"model {model!r} does not exist; this engine serves {config.served_model_name!r}",
                 "NotFoundError",
             )
-        if request.max_tokens > config.max_tokens_limit:
+        if n > config.max_n:
+            return openai_error(400, f"n {n} exceeds this engine's limit of {config.max_n}")
+        if max_tokens is not None and max_tokens > config.max_tokens_limit:
             return openai_error(
-                400, f"max_tokens {request.max_tokens} exceeds this engine's limit of {config.max_tokens_limit}"
+                400, f"max_tokens {max_tokens} exceeds this engine's limit of {config.max_tokens_limit}"
             )
-        if request.n > config.max_n:
-            return openai_error(400, f"n {request.n} exceeds this engine's limit of {config.max_n}")
+        room = max_model_len - prompt_len
+        budget = max_tokens if max_tokens is not None else min(config.max_tokens_limit, room)
+        if budget < 1 or prompt_len + budget > max_model_len:
+            return openai_error(
+                400,
+                f"this model's maximum context length is {max_model_len} tokens; the prompt has "
+                f"{prompt_len} and max_tokens asks for {budget}: shorten the prompt or lower max_tokens",
+            )
+        if state.sleeping_level:
+            return openai_error(503, "the engine is sleeping; POST /wake_up first", "ServiceUnavailableError")
+        return budget
+
+    async def finished(reasons: list[str], tokens: int) -> None:
+        for reason in reasons:
+            state.finished[reason] += 1
+        state.generation_tokens += tokens
+        await state.leave()
+
+    def make_job(request: SampledRequest, prompt_ids: list[int], budget: int, **how: Any) -> Job:
+        return Job(
+            prompt_ids=prompt_ids,
+            params=request.sampling(budget),
+            model=config.served_model_name,
+            version=updater.version,
+            return_token_ids=request.return_token_ids,
+            routed=config.enable_return_routed_experts,
+            include_usage=bool(request.stream_options and request.stream_options.include_usage),
+            stream=request.stream,
+            **how,
+        )
+
+    async def answer(job: Job) -> Response:
+        await state.enter()
+        job.version = updater.version
+        state.prompt_tokens += len(job.prompt_ids)
+        if job.stream:
+            return StreamingResponse(
+                generation.stream(job, runner, finished),
+                media_type="text/event-stream",
+                headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+            )
+        body: dict[str, Any] = {}
+        try:
+            body = await asyncio.to_thread(generation.run, job, runner)
+        finally:
+            choices = body.get("choices", [])
+            tokens = int(body.get("usage", {}).get("completion_tokens", 0))
+            await finished([str(c.get("finish_reason")) for c in choices] or ["error"], tokens)
+        return JSONResponse(body)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        label = f'model_name="{config.served_model_name}"'
+        lines = [
+            "# TYPE vllm:request_success_total counter",
+            *(
+                f'vllm:request_success_total{{finished_reason="{reason}",{label}}} {count}'
+                for reason, count in sorted(state.finished.items())
+            ),
+            "# TYPE vllm:prompt_tokens_total counter",
+            f'vllm:prompt_tokens_total{{model_name="{config.served_model_name}"}} {state.prompt_tokens}',
+            "# TYPE vllm:generation_tokens_total counter",
+            f'vllm:generation_tokens_total{{model_name="{config.served_model_name}"}} {state.generation_tokens}',
+            "# TYPE vllm:num_requests_running gauge",
+            f'vllm:num_requests_running{{model_name="{config.served_model_name}"}} {state.inflight}',
+        ]
+        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: CompletionRequest) -> Response:
         try:
             prompt_ids = runner.encode_prompt(request.prompt)
         except ValueError as exc:
             return openai_error(400, str(exc))
-        if len(prompt_ids) + request.max_tokens > config.max_model_len:
-            return openai_error(
-                400,
-                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({request.max_tokens}) exceeds the maximum context "
-                f"length of {config.max_model_len}; shorten the prompt or lower max_tokens",
-            )
-        if state.sleeping_level:
-            return openai_error(503, "the engine is sleeping; POST /wake_up first", "ServiceUnavailableError")
-        await state.enter()
+        budget = check(request.model, request.n, request.max_tokens, len(prompt_ids))
+        if isinstance(budget, JSONResponse):
+            return budget
+        return await answer(make_job(request, prompt_ids, budget, chat=False, top_logprobs=request.logprobs))
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(request: ChatCompletionRequest) -> Response:
         try:
-            samples = await asyncio.to_thread(
-                runner.generate, request, prompt_ids, routed=config.enable_return_routed_experts
-            )
-            version = updater.version
-        finally:
-            await state.leave()
-        choices = [_choice(i, s, prompt_ids, request, runner.tokenizer) for i, s in enumerate(samples)]
-        completion_tokens = sum(len(s.token_ids) for s in samples)
-        return CompletionResponse(
-            id=f"cmpl-{uuid.uuid4().hex}",
-            created=int(time.time()),
-            model=config.served_model_name,
-            choices=choices,
-            usage=Usage(
-                prompt_tokens=len(prompt_ids),
-                completion_tokens=completion_tokens,
-                total_tokens=len(prompt_ids) + completion_tokens,
-            ),
-            system_fingerprint=version,
+            prompt_ids = await asyncio.to_thread(render_prompt, runner.tokenizer, request)
+        except (ChatError, ValueError) as exc:
+            return openai_error(400, str(exc))
+        mode = request.tool_mode()
+        name = request.tool_choice.function.name if mode == "named" else None  # type: ignore[union-attr]
+        if mode == "required":
+            names = tool_names(request)
+            name = names[0]
+            if len(names) > 1:
+                opening = runner.encode_prompt(forced_prefix(request))
+                options = [runner.encode_prompt(n + '", "arguments": ') for n in names]
+                pick = await asyncio.to_thread(
+                    runner.choose, prompt_ids + opening, options, temperature=request.temperature, seed=request.seed
+                )
+                name = names[pick]
+        prefix = forced_prefix(request, name)
+        if prefix:
+            prompt_ids = prompt_ids + runner.encode_prompt(prefix)
+        budget = check(request.model, request.n, request.limit(), len(prompt_ids))
+        if isinstance(budget, JSONResponse):
+            return budget
+        job = make_job(
+            request,
+            prompt_ids,
+            budget,
+            chat=True,
+            top_logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+            tool_mode=mode,
+            prefix=prefix,
+            tool_name=name,
         )
+        return await answer(job)
 
     @app.post("/pause")
     async def pause(

@@ -1,4 +1,5 @@
-"""The user-facing gateway: an OpenAI-compatible completions endpoint over the serving replicas.
+"""The user-facing gateway: OpenAI-compatible completions and chat completions over the serving
+replicas, whole or streamed.
 
 - Balances over the replicas in rotation (least requests in flight); a replica that fails
   to answer (unreachable, 5xx) is retried on another one, so a replica dying or pausing for an
@@ -10,7 +11,12 @@
   ``system_fingerprint``, else the one the registry records for the replica) and the header
   ``x-undertow-policy-version``.
 - Every choice is emitted as ``session.completed`` (token ids, logprobs, routed experts) through
-  :class:`serving.telemetry.TelemetryEmitter`, off the request path.
+  :class:`serving.telemetry.TelemetryEmitter`, off the request path; chat turns of one agent
+  session (``x-session-id``) are linked turn by turn (:mod:`serving.turns`).
+- ``stream: true`` relays the engine's server-sent events (:mod:`serving.relay`); a replica that
+  fails before its first chunk is replaced, and a client that leaves closes the engine's stream,
+  which stops the generation. Telemetry records what was served, with ``abort`` then.
+- Errors come in OpenAI's shape and are counted by type in ``/gateway/metrics``.
 - ``POST /v1/signals``: an editor's signal (accept/reject, retention, selection, switch,
   thumbs, ...) is validated against the wire schema and forwarded to Kafka.
 - ``GET /gateway/metrics``: per-version request counts, error rates, latency and the
@@ -23,8 +29,8 @@ import asyncio
 import itertools
 import time
 import uuid
-from collections import OrderedDict, defaultdict, deque
-from collections.abc import Awaitable, Callable
+from collections import Counter, OrderedDict, defaultdict, deque
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -33,16 +39,18 @@ import httpx
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ConfigDict, Field, ValidationError
 from sqlalchemy.engine import Engine
 
-from serving.client import EngineClient, EngineError
+from serving import relay, turns
+from serving.client import EngineClient, EngineError, error_message
 from serving.config import FleetConfig, GatewayConfig
 from serving.engine import openai_error, validation_message
 from serving.fleet import Replica
-from serving.protocol import CompletionRequest
+from serving.protocol import ChatCompletionRequest, CompletionRequest
 from serving.telemetry import TelemetryEmitter
+from serving.turns import MAX_SESSION_ID
 
 log = structlog.get_logger(__name__)
 
@@ -50,6 +58,9 @@ ReplicaSource = Callable[[], Awaitable[list[Replica]]]
 """Returns the replicas in rotation (static list, or the registry)."""
 
 ACCEPT_TYPES = {"edit.accepted": 1.0, "edit.rejected": 0.0}
+STREAM_BROKEN = (
+    b'data: {"error":{"message":"the engine stream broke; retry the request","type":"BadGatewayError","code":502}}\n\n'
+)
 
 
 class GatewayRequest(CompletionRequest):
@@ -58,8 +69,24 @@ class GatewayRequest(CompletionRequest):
     model_config = ConfigDict(extra="ignore")
 
     user: str | None = Field(default=None, max_length=128)
-    session_id: str | None = Field(default=None, min_length=1, max_length=100)
+    session_id: str | None = Field(default=None, min_length=1, max_length=MAX_SESSION_ID)
     candidates: int | None = Field(default=None, ge=1)
+
+
+class GatewayChatRequest(ChatCompletionRequest):
+    """A user's chat request: OpenAI's fields plus Undertow's session link and candidate groups."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    user: str | None = Field(default=None, max_length=128)
+    session_id: str | None = Field(default=None, min_length=1, max_length=MAX_SESSION_ID)
+    metadata: dict[str, Any] | None = None
+    candidates: int | None = Field(default=None, ge=1)
+
+    def linked_session(self, header: str | None) -> str | None:
+        """The agent session this turn belongs to: header, then ``session_id``, then metadata."""
+        meta = (self.metadata or {}).get("session_id")
+        return header or self.session_id or (str(meta) if meta is not None else None)
 
 
 def static_replicas(urls: list[str], version: str | None = None) -> ReplicaSource:
@@ -95,7 +122,8 @@ class VersionStats:
 
 
 class Gateway:
-    """Balancing, candidate groups, version tagging, telemetry and metrics (the app wraps this)."""
+    """Balancing, candidate groups, sessions, streaming, version tagging, telemetry and metrics
+    (the app wraps this)."""
 
     def __init__(
         self, source: ReplicaSource, emitter: TelemetryEmitter | None, config: GatewayConfig, model_name: str
@@ -107,6 +135,7 @@ class Gateway:
         self.http = httpx.AsyncClient(timeout=config.request_timeout_s, limits=httpx.Limits(max_connections=256))
         self.inflight: dict[str, int] = defaultdict(int)
         self.stats: dict[str, VersionStats] = defaultdict(VersionStats)
+        self.errors: Counter[str] = Counter()
         self.session_versions: OrderedDict[str, str] = OrderedDict()
         self._rr = itertools.count()
 
@@ -118,125 +147,239 @@ class Gateway:
         order = sorted(range(len(reps)), key=lambda i: (self.inflight[reps[i].id], (i + offset) % len(reps)))
         return reps[order[0]]
 
-    async def complete(self, req: GatewayRequest) -> tuple[int, dict[str, Any]]:
-        """Serve one user request; returns (status, body)."""
-        k = req.candidates or req.n
-        if k > self.config.max_candidates:
-            return 400, _err(f"candidates/n {k} exceeds the gateway's limit of {self.config.max_candidates}")
-        if isinstance(req.prompt, str) and len(req.prompt) > self.config.max_prompt_chars:
-            return 400, _err(f"prompt is {len(req.prompt)} characters; the limit is {self.config.max_prompt_chars}")
-        body = req.model_dump(exclude={"user", "session_id", "candidates"}, exclude_none=True)
-        body.update(n=k, return_token_ids=True, logprobs=req.logprobs or 0, model=None)
-        body.pop("model")
+    async def _replicas(self) -> AsyncIterator[Replica]:
+        """Replicas to try for one request, each at most once: the first, then one per retry."""
         tried: set[str] = set()
-        last: EngineError | None = None
         for _ in range(self.config.retries + 1):
             rep = await self.pick(tried)
             if rep is None:
-                break
+                return
             tried.add(rep.id)
+            yield rep
+
+    def fail(self, status: int, message: str, kind: str = "BadRequestError") -> JSONResponse:
+        """An error in OpenAI's shape, counted by kind."""
+        self.errors[kind] += 1
+        return openai_error(status, message, kind)
+
+    async def complete(self, req: GatewayRequest) -> Response:
+        """``/v1/completions``: one user request, whole or streamed."""
+        k = req.candidates or req.n
+        if k > self.config.max_candidates:
+            return self.fail(400, f"candidates/n {k} exceeds the gateway's limit of {self.config.max_candidates}")
+        if isinstance(req.prompt, str) and len(req.prompt) > self.config.max_prompt_chars:
+            return self.fail(
+                400, f"prompt is {len(req.prompt)} characters; the limit is {self.config.max_prompt_chars}"
+            )
+        body = req.model_dump(exclude={"user", "session_id", "candidates", "model"}, exclude_none=True)
+        body.update(n=k, return_token_ids=True, logprobs=req.logprobs or 0)
+        base, _, group_id = turns.link(req.session_id, None, k)
+        served = turns.Request(
+            model=self.model_name,
+            user=req.user,
+            sampling=self._sampling(req.temperature, req.top_p, req.max_tokens, req.seed),
+            prompt_text=req.prompt if isinstance(req.prompt, str) else None,
+            prompt_token_ids=None if isinstance(req.prompt, str) else list(req.prompt),
+            base_id=base,
+            group_id=group_id,
+        )
+        wants = relay.Wants(token_ids=req.return_token_ids, logprobs=req.logprobs is not None)
+        if req.stream:
+            return await self._stream("/v1/completions", body, served, k, chat=False, wants=wants)
+        return await self._whole("/v1/completions", body, served, k, chat=False, wants=wants)
+
+    async def chat(self, req: GatewayChatRequest, session_header: str | None) -> Response:
+        """``/v1/chat/completions``: one turn of a (possibly multi-turn) session, whole or streamed."""
+        k = req.candidates or req.n
+        if k > self.config.max_candidates:
+            return self.fail(400, f"candidates/n {k} exceeds the gateway's limit of {self.config.max_candidates}")
+        chars = sum(len(m.text()) for m in req.messages)
+        if chars > self.config.max_prompt_chars:
+            return self.fail(400, f"the messages hold {chars} characters; the limit is {self.config.max_prompt_chars}")
+        session = req.linked_session(session_header)
+        if session is not None and not 0 < len(session) <= turns.MAX_SESSION_ID:
+            return self.fail(400, f"a session id is 1 to {turns.MAX_SESSION_ID} characters")
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        body = req.model_dump(
+            exclude={"user", "session_id", "candidates", "metadata", "model"}, exclude_none=True, mode="json"
+        )
+        body.update(n=k, return_token_ids=True, logprobs=True, top_logprobs=req.top_logprobs or 0)
+        base, turn, group_id = turns.link(session, messages, k)
+        served = turns.Request(
+            model=self.model_name,
+            user=req.user,
+            sampling=self._sampling(req.temperature, req.top_p, req.limit(), req.seed),
+            prompt_text=turns.conversation_text(messages),
+            messages=messages,
+            session=session,
+            turn=turn,
+            base_id=base,
+            group_id=group_id,
+        )
+        wants = relay.Wants(token_ids=req.return_token_ids, logprobs=req.logprobs)
+        if req.stream:
+            return await self._stream("/v1/chat/completions", body, served, k, chat=True, wants=wants)
+        return await self._whole("/v1/chat/completions", body, served, k, chat=True, wants=wants)
+
+    @staticmethod
+    def _sampling(temperature: float, top_p: float, max_tokens: int | None, seed: int | None) -> dict[str, Any]:
+        return {
+            "temperature": temperature,
+            "top_p": top_p,
+            "max_tokens": max_tokens,
+            "seed": seed,
+            "logprobs_mode": "raw",
+        }
+
+    async def _whole(
+        self, path: str, body: dict[str, Any], req: turns.Request, k: int, *, chat: bool, wants: relay.Wants
+    ) -> Response:
+        last: EngineError | None = None
+        async for rep in self._replicas():
             start = time.perf_counter()
             self.inflight[rep.id] += 1
             try:
-                data = await EngineClient(rep.url, client=self.http).completions_raw(body)
+                data = await EngineClient(rep.url, client=self.http).post_json(path, body)
             except EngineError as exc:
                 last = exc
                 if 400 <= exc.status < 500 and exc.status != 409:
-                    return exc.status, _err(exc.message)
+                    return self.fail(exc.status, exc.message, _kind(exc.status))
                 self.stats[rep.version or "unknown"].errors += 1
                 continue
             finally:
                 self.inflight[rep.id] -= 1
-            latency_ms = (time.perf_counter() - start) * 1000
-            version = data.get("system_fingerprint") or rep.version or "unknown"
-            stats = self.stats[version]
-            stats.requests += 1
-            stats.latencies_ms.append(latency_ms)
-            return 200, self._shape(req, data, version, latency_ms)
-        if last is None:
-            return 503, _err("no serving replica is in rotation; retry shortly", "ServiceUnavailableError")
-        return 502, _err(f"no replica could serve the request (last: {last})", "BadGatewayError")
+            req.latency_ms = (time.perf_counter() - start) * 1000
+            req.version = data.get("system_fingerprint") or rep.version or "unknown"
+            self._count(req.version, req.latency_ms)
+            self._shape(req, data, k, chat=chat, wants=wants)
+            return JSONResponse(data, headers=self._headers(req))
+        return self._unavailable(last)
 
-    def _shape(self, req: GatewayRequest, data: dict[str, Any], version: str, latency_ms: float) -> dict[str, Any]:
-        k = len(data["choices"])
-        group_id = f"grp-{uuid.uuid4().hex}" if k > 1 else None
-        base = req.session_id or f"ses-{uuid.uuid4().hex}"
+    def _unavailable(self, last: EngineError | None) -> JSONResponse:
+        if last is None:
+            return self.fail(503, "no serving replica is in rotation; retry shortly", "ServiceUnavailableError")
+        return self.fail(502, f"no replica could serve the request (last: {last})", "BadGatewayError")
+
+    def _count(self, version: str, latency_ms: float) -> None:
+        stats = self.stats[version]
+        stats.requests += 1
+        stats.latencies_ms.append(latency_ms)
+
+    def _headers(self, req: turns.Request) -> dict[str, str]:
+        headers = {"x-undertow-policy-version": req.version, "x-undertow-session-id": req.base_id}
+        if req.group_id:
+            headers["x-undertow-group-id"] = req.group_id
+        return headers
+
+    def _shape(self, req: turns.Request, data: dict[str, Any], k: int, *, chat: bool, wants: relay.Wants) -> None:
+        if chat:
+            req.prompt_token_ids = (
+                data.get("prompt_token_ids") if wants.token_ids else data.pop("prompt_token_ids", None)
+            )
         for choice in data["choices"]:
             idx = int(choice["index"])
-            session_id = base if k == 1 else f"{base}-{idx}"
-            choice["session_id"] = session_id
-            if group_id:
+            served = _served(choice, chat)
+            if not chat and choice.get("prompt_token_ids") is not None:
+                req.prompt_token_ids = choice["prompt_token_ids"]
+            choice["session_id"] = req.session_id(idx, k)
+            if req.group_id:
                 choice["candidate_index"] = idx
-            self._remember(session_id, version)
-            if self.emitter is not None:
-                self.emitter.emit(self._event(req, data, choice, session_id, group_id, version, latency_ms))
-            if not req.return_token_ids:
+            if not wants.token_ids:
                 choice.pop("token_ids", None)
                 choice.pop("prompt_token_ids", None)
-            if req.logprobs is None:
+                if chat:
+                    choice.pop("routed_experts", None)
+            if not wants.logprobs:
                 choice["logprobs"] = None
-        data["policy_version"] = version
+            self._emit(req, served, k)
+        data["policy_version"] = req.version
         data["model"] = self.model_name
-        if group_id:
-            data["group_id"] = group_id
-        return data
+        if req.group_id:
+            data["group_id"] = req.group_id
+
+    def _emit(self, req: turns.Request, served: turns.Served, k: int) -> None:
+        session_id = req.session_id(served.index, k)
+        self._remember(session_id, req.version)
+        if req.session is not None:
+            self._remember(req.session, req.version)
+        if self.emitter is not None:
+            self.emitter.emit(turns.event(req, served, k))
+
+    async def _stream(
+        self, path: str, body: dict[str, Any], req: turns.Request, k: int, *, chat: bool, wants: relay.Wants
+    ) -> Response:
+        body = {**body, "stream": True}
+        last: EngineError | None = None
+        async for rep in self._replicas():
+            start = time.perf_counter()
+            try:
+                response = await self.http.send(
+                    self.http.build_request("POST", rep.url.rstrip("/") + path, json=body), stream=True
+                )
+            except httpx.TransportError as exc:
+                last = EngineError(rep.url, 0, f"unreachable ({exc.__class__.__name__})")
+                self.stats[rep.version or "unknown"].errors += 1
+                continue
+            if response.status_code != 200:
+                await response.aread()
+                await response.aclose()
+                last = EngineError(rep.url, response.status_code, error_message(response))
+                if 400 <= response.status_code < 500 and response.status_code != 409:
+                    return self.fail(response.status_code, last.message, _kind(response.status_code))
+                self.stats[rep.version or "unknown"].errors += 1
+                continue
+            stream = relay.Relay(
+                response,
+                response.aiter_lines(),
+                chat=chat,
+                wants=wants,
+                model=self.model_name,
+                session_id=lambda i: req.session_id(i, k),
+            )
+            try:
+                first = await stream.first()
+            except (httpx.TransportError, ValueError) as exc:
+                await stream.close()
+                last = EngineError(rep.url, 0, f"stream broke before its first chunk ({exc.__class__.__name__})")
+                self.stats[rep.version or "unknown"].errors += 1
+                continue
+            req.version = stream.version or rep.version or "unknown"
+            self.inflight[rep.id] += 1
+            return StreamingResponse(
+                self._relay(stream, first, req, k, rep, start),
+                media_type="text/event-stream",
+                headers={**self._headers(req), "cache-control": "no-cache"},
+            )
+        return self._unavailable(last)
+
+    async def _relay(
+        self, stream: relay.Relay, first: bytes | None, req: turns.Request, k: int, rep: Replica, start: float
+    ) -> AsyncIterator[bytes]:
+        try:
+            if first is not None:
+                yield first
+            if not stream.finished:
+                async for chunk in stream.rest():
+                    yield chunk
+        except httpx.TransportError:
+            self.stats[req.version].errors += 1
+            self.errors["EngineStreamBroken"] += 1
+            yield STREAM_BROKEN
+        finally:
+            self.inflight[rep.id] -= 1
+            if not stream.finished:
+                self.errors["ClientAbandonedStream"] += 1
+            served = await stream.close()
+            req.latency_ms = (time.perf_counter() - start) * 1000
+            req.prompt_token_ids = stream.prompt_token_ids or req.prompt_token_ids
+            self._count(req.version, req.latency_ms)
+            for item in served:
+                self._emit(req, item, k)
 
     def _remember(self, session_id: str, version: str) -> None:
         self.session_versions[session_id] = version
         while len(self.session_versions) > 100_000:
             self.session_versions.popitem(last=False)
-
-    def _event(
-        self,
-        req: GatewayRequest,
-        data: dict[str, Any],
-        choice: dict[str, Any],
-        session_id: str,
-        group_id: str | None,
-        version: str,
-        latency_ms: float,
-    ) -> dict[str, Any]:
-        logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
-        prompt: dict[str, Any] = {"token_ids": choice.get("prompt_token_ids")}
-        if isinstance(req.prompt, str):
-            prompt["text"] = req.prompt
-        payload: dict[str, Any] = {
-            "model": self.model_name,
-            "policy_version": version,
-            "prompt": prompt,
-            "segments": [
-                {
-                    "role": "assistant",
-                    "text": choice.get("text", ""),
-                    "token_ids": choice.get("token_ids"),
-                    "logprobs": logprobs,
-                }
-            ],
-            "sampling": {
-                "temperature": req.temperature,
-                "top_p": req.top_p,
-                "max_tokens": req.max_tokens,
-                "seed": req.seed,
-                "logprobs_mode": "raw",
-            },
-            "finish_reason": choice.get("finish_reason"),
-            "latency_ms": latency_ms,
-        }
-        if choice.get("routed_experts"):
-            payload["routed_experts"] = choice["routed_experts"]
-        if group_id:
-            payload["group_id"], payload["candidate_index"] = group_id, int(choice["index"])
-        event: dict[str, Any] = {
-            "schema_version": 1,
-            "event_id": str(uuid.uuid4()),
-            "type": "session.completed",
-            "occurred_at": datetime.now(UTC).isoformat(),
-            "session_id": session_id,
-            "payload": _drop_none(payload),
-        }
-        if req.user:
-            event["user_id"] = req.user
-        return event
 
     def signal(self, raw: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         """Validate one signal envelope (event_id/occurred_at filled when absent) and forward it."""
@@ -270,7 +413,10 @@ class Gateway:
             self.stats[version].judged += 1
 
     def metrics(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"versions": {v: s.summary() for v, s in self.stats.items()}}
+        out: dict[str, Any] = {
+            "versions": {v: s.summary() for v, s in self.stats.items()},
+            "errors": dict(self.errors),
+        }
         if self.emitter is not None:
             out["telemetry"] = dict(self.emitter.stats)
         return out
@@ -280,16 +426,29 @@ def _err(message: str, kind: str = "BadRequestError") -> dict[str, Any]:
     return {"error": {"message": message, "type": kind}}
 
 
-def _drop_none(obj: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in obj.items():
-        if isinstance(value, dict):
-            value = _drop_none(value)
-        elif isinstance(value, list):
-            value = [_drop_none(v) if isinstance(v, dict) else v for v in value]
-        if value is not None:
-            out[key] = value
-    return out
+def _kind(status: int) -> str:
+    return {404: "NotFoundError", 413: "RequestTooLarge", 429: "RateLimitError"}.get(status, "BadRequestError")
+
+
+def _served(choice: dict[str, Any], chat: bool) -> turns.Served:
+    """What one choice of a whole answer served."""
+    logprobs = choice.get("logprobs") or {}
+    if chat:
+        message = choice.get("message") or {}
+        values = [float(item["logprob"]) for item in logprobs.get("content") or []]
+        text, calls = message.get("content") or "", list(message.get("tool_calls") or [])
+    else:
+        values = [float(x) for x in logprobs.get("token_logprobs") or []]
+        text, calls = choice.get("text", ""), []
+    return turns.Served(
+        index=int(choice["index"]),
+        text=text,
+        token_ids=list(choice.get("token_ids") or []),
+        logprobs=values,
+        routed_experts=choice.get("routed_experts"),
+        finish_reason=choice.get("finish_reason"),
+        tool_calls=calls,
+    )
 
 
 def create_gateway_app(gateway: Gateway, background: list[Callable[[], Awaitable[None]]] | None = None) -> FastAPI:
@@ -314,14 +473,14 @@ def create_gateway_app(gateway: Gateway, background: list[Callable[[], Awaitable
         if request.method == "POST":
             declared = request.headers.get("content-length")
             if declared is not None and (not declared.isdigit() or int(declared) > limit):
-                return openai_error(
+                return gateway.fail(
                     413,
                     f"request body is larger than the limit of {limit} bytes; send a shorter prompt",
                     "RequestTooLarge",
                 )
             body = await request.body()
             if len(body) > limit:
-                return openai_error(
+                return gateway.fail(
                     413,
                     f"request body is larger than the limit of {limit} bytes; send a shorter prompt",
                     "RequestTooLarge",
@@ -330,7 +489,7 @@ def create_gateway_app(gateway: Gateway, background: list[Callable[[], Awaitable
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        return openai_error(400, validation_message(exc))
+        return gateway.fail(400, validation_message(exc))
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -341,13 +500,13 @@ def create_gateway_app(gateway: Gateway, background: list[Callable[[], Awaitable
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": gateway.model_name, "object": "model", "owned_by": "undertow"}]}
 
-    @app.post("/v1/completions")
-    async def completions(req: GatewayRequest) -> JSONResponse:
-        status, body = await gateway.complete(req)
-        if "error" in body:
-            body["error"]["code"] = status
-        headers = {"x-undertow-policy-version": body["policy_version"]} if status == 200 else None
-        return JSONResponse(status_code=status, content=body, headers=headers)
+    @app.post("/v1/completions", response_model=None)
+    async def completions(req: GatewayRequest) -> Response:
+        return await gateway.complete(req)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(req: GatewayChatRequest, request: Request) -> Response:
+        return await gateway.chat(req, request.headers.get(turns.SESSION_HEADER))
 
     @app.post("/v1/signals")
     async def signals(request: Request) -> JSONResponse:

@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from serving.protocol import CompletionRequest
+from policy.forward import TokenSink
+from serving.protocol import SamplingParams
 
 
 @dataclass
@@ -49,6 +50,12 @@ class ModelRunner:
         self.lock = threading.Lock()
         self.eos_id = self.tokenizer.eos_token_id
 
+    @property
+    def context_limit(self) -> int | None:
+        """The model's own context window (``max_position_embeddings``), if it declares one."""
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        return int(limit) if limit else None
+
     def state(self) -> dict[str, torch.Tensor]:
         """The model's named tensors (the objects updates write into, in place)."""
         return dict(self.model.state_dict(keep_vars=False))
@@ -63,25 +70,69 @@ class ModelRunner:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
         return list(prompt)
 
-    def generate(self, request: CompletionRequest, prompt_ids: list[int], *, routed: bool) -> list[Sample]:
-        """Generate ``request.n`` samples for ``prompt_ids`` with the trainer's forward code."""
+    def stop_ids(self, params: SamplingParams) -> list[int]:
+        """Token ids that end a sample: the request's, EOS, and the end of a chat turn."""
+        stop_ids = list(params.stop_token_ids)
+        for special in (self.eos_id, self.tokenizer.convert_tokens_to_ids("<|im_end|>")):
+            usable = isinstance(special, int) and special >= 0 and special not in stop_ids
+            if usable and isinstance(special, int) and special != getattr(self.tokenizer, "unk_token_id", None):
+                stop_ids.append(special)
+        return stop_ids
+
+    def generate(
+        self,
+        params: SamplingParams,
+        prompt_ids: list[int],
+        *,
+        routed: bool,
+        on_tokens: TokenSink | None = None,
+        top_k_stream: int = 0,
+    ) -> list[Sample]:
+        """Generate ``params.n`` samples for ``prompt_ids`` with the trainer's forward code.
+
+        ``on_tokens`` streams each step's tokens as they are sampled and can stop generation (a
+        client that went away); the samples returned are then cut where sampling stopped.
+        """
         from policy.forward import generate
 
-        stop_ids = list(request.stop_token_ids or [])
-        if self.eos_id is not None and self.eos_id not in stop_ids:
-            stop_ids.append(int(self.eos_id))
         with self.lock, torch.inference_mode():
             gens = generate(
                 self.model,
                 prompt_ids,
-                max_tokens=request.max_tokens,
-                temperature=request.temperature,
-                top_p=request.top_p,
-                seed=request.seed,
-                n=request.n,
-                stop_token_ids=stop_ids,
+                max_tokens=params.max_tokens,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                seed=params.seed,
+                n=params.n,
+                stop_token_ids=self.stop_ids(params),
+                on_tokens=on_tokens,
+                top_k_stream=top_k_stream,
             )
-        return [self._finish(g, len(prompt_ids), request.stop_list(), routed) for g in gens]
+        return [self._finish(g, len(prompt_ids), params.stop, routed) for g in gens]
+
+    def top_logprobs(self, prompt_ids: list[int], token_ids: list[int], k: int) -> list[list[tuple[int, float]]]:
+        """The ``k`` most likely tokens at each generated position (the re-scoring pass)."""
+        from policy.forward import top_logprobs
+
+        with self.lock, torch.inference_mode():
+            return top_logprobs(self.model, prompt_ids + token_ids, prompt_len=len(prompt_ids), k=k)
+
+    def choose(self, prompt_ids: list[int], options: list[list[int]], *, temperature: float, seed: int | None) -> int:
+        """Draw one of ``options`` (token sequences continuing ``prompt_ids``) by the model's
+        probability of each, at ``temperature`` (0: the most likely)."""
+        from policy.forward import score_tokens
+
+        with self.lock, torch.inference_mode():
+            scores = torch.tensor(
+                [
+                    float(score_tokens(self.model, prompt_ids + o, prompt_len=len(prompt_ids)).logprobs.sum())
+                    for o in options
+                ]
+            )
+        if temperature <= 0 or len(options) == 1:
+            return int(scores.argmax())
+        gen = torch.Generator().manual_seed(int(seed) if seed is not None else int(torch.seed() % 2**63))
+        return int(torch.multinomial(torch.softmax(scores / temperature, dim=0), 1, generator=gen))
 
     def _finish(self, gen: Any, prompt_len: int, stops: list[str], routed: bool) -> Sample:
         token_ids = [int(t) for t in gen.token_ids]

@@ -41,9 +41,13 @@ def v0_cache(settings: Settings, cache_root: Path, *, sft_steps: int, eval_cfg: 
     from policy.evaluate import evaluate
     from policy.model import save_checkpoint
     from policy.sft import SFTConfig, warmup
+    from policy.tokenizer import REVISION
 
     cfg = settings.policy
-    key = f"v0-{cfg.preset}-seed{cfg.seed}-sft{sft_steps}-eval{eval_cfg.per_tier}x{eval_cfg.samples_per_task}"
+    key = (
+        f"v0-{cfg.preset}-seed{cfg.seed}-sft{sft_steps}-eval{eval_cfg.per_tier}x{eval_cfg.samples_per_task}"
+        f"-tok{REVISION}"
+    )
     path = cache_root / key
     meta = path / "demo_metrics.json"
     if meta.exists():

@@ -138,3 +138,27 @@ def test_selection_pairs_record_position_and_measure_bias(
         load_sessions(sqlite_engine), load_signals(sqlite_engine), RewardsConfig(position_correction=False), now
     )
     assert (no_correction.pairs["weight"] == 1.0).all()
+
+
+def test_a_signal_for_an_agent_session_reaches_every_turn_and_a_turn_signal_only_its_turn(
+    sqlite_engine: Engine, load_events: Any
+) -> None:
+    turn = {"turn": {"session_id": "agent-1", "index": 0}}
+    events = [
+        session_event("agent-1.t0", T0, **turn),
+        session_event("agent-1.t1", T0 + timedelta(minutes=1), turn={"session_id": "agent-1", "index": 1}),
+        session_event("lone", T0),
+        retained("agent-1", 300, 3),
+        _env("edit.rejected", "agent-1.t1", T0 + timedelta(minutes=2), {"edit_id": "x"}, None),
+        _env("edit.accepted", "nobody", T0, {"edit_id": "y"}, None),
+    ]
+    load_events(sqlite_engine, events)
+    sessions = load_sessions(sqlite_engine)
+    linked = sessions.set_index("session_id")["agent_session"]
+    assert linked["agent-1.t0"] == linked["agent-1.t1"] == "agent-1" and pd.isna(linked["lone"])
+    result = build_labels(sessions, load_signals(sqlite_engine), RewardsConfig(), T0 + timedelta(days=9))
+    lab = result.sessions
+    assert lab.loc["agent-1.t0", "retention"] == 0.75 and lab.loc["agent-1.t1", "retention"] == 0.75
+    assert np.isnan(lab.loc["lone", "retention"])
+    assert lab.loc["agent-1.t1", "acceptance"] == 0.0 and np.isnan(lab.loc["agent-1.t0", "acceptance"])
+    assert result.skipped["signals_without_session"] == 1  # only the signal for a session nobody served

@@ -1,7 +1,10 @@
-"""Build a tiny policy checkpoint and a weight store with a few versions (what training would publish)."""
+"""Build a tiny policy checkpoint and a weight store with a few versions (what training would publish),
+and read back the telemetry a test gateway sent."""
 
 from __future__ import annotations
 
+import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,3 +70,20 @@ async def pull_and_switch(client: Any, versions: Versions, to_version: str, kind
     finally:
         await client.resume()
     return pulled, info
+
+
+def consume(bootstrap: str, topic: str, n: int, timeout_s: float = 30.0) -> list[dict]:  # type: ignore[type-arg]
+    """Every event on ``topic`` (2 partitions) from the beginning, until ``n`` or the timeout."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, consumer_timeout_ms=1000)
+    parts = [TopicPartition(topic, p) for p in range(2)]
+    consumer.assign(parts)
+    consumer.seek_to_beginning(*parts)
+    out: list[dict] = []  # type: ignore[type-arg]
+    deadline = time.monotonic() + timeout_s
+    while len(out) < n and time.monotonic() < deadline:
+        for batch in consumer.poll(timeout_ms=500).values():
+            out.extend(json.loads(r.value) for r in batch)
+    consumer.close()
+    return out

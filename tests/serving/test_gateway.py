@@ -9,27 +9,12 @@ import uuid
 
 import httpx
 import pytest
+from serving_helpers import consume
 
 from serving.config import GatewayConfig
 from serving.gateway import Gateway, create_gateway_app, static_replicas
 from serving.launch import ServerThread
 from serving.telemetry import TelemetryEmitter
-
-
-def _consume(bootstrap: str, topic: str, n: int, timeout_s: float = 30.0) -> list[dict]:  # type: ignore[type-arg]
-    from kafka import KafkaConsumer, TopicPartition
-
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, consumer_timeout_ms=1000)
-    parts = [TopicPartition(topic, p) for p in range(2)]
-    consumer.assign(parts)
-    consumer.seek_to_beginning(*parts)
-    out: list[dict] = []  # type: ignore[type-arg]
-    deadline = time.monotonic() + timeout_s
-    while len(out) < n and time.monotonic() < deadline:
-        for batch in consumer.poll(timeout_ms=500).values():
-            out.extend(json.loads(r.value) for r in batch)
-    consumer.close()
-    return out
 
 
 def _gateway(one_engine, bootstrap: str | None, topic: str, spool) -> Gateway:  # type: ignore[no-untyped-def]
@@ -76,7 +61,7 @@ def test_candidates_are_tagged_and_emitted_with_experts(one_engine, broker, tmp_
         assert bad.status_code == 422 and "invalid signal" in bad.json()["error"]["message"]
         metrics = httpx.get(srv.url + "/gateway/metrics", timeout=10).json()
         assert metrics["versions"]["v0"]["requests"] == 1 and metrics["versions"]["v0"]["acceptance"] == 1.0
-    events = _consume(broker.bootstrap, topic, 4)
+    events = consume(broker.bootstrap, topic, 4)
     sessions = [e for e in events if e["type"] == "session.completed"]
     assert len(sessions) == 3 and {e["payload"]["group_id"] for e in sessions} == {body["group_id"]}
     one = sessions[0]["payload"]
@@ -103,7 +88,7 @@ def test_kafka_down_buffers_to_disk_and_sends_later(one_engine, fresh_broker, tm
         assert gw.emitter.spool_bytes() > 0  # type: ignore[union-attr]
         fresh_broker.start()
         create_topics(fresh_broker.bootstrap, {topic: 2})
-        events = _consume(fresh_broker.bootstrap, topic, 3, timeout_s=60)
+        events = consume(fresh_broker.bootstrap, topic, 3, timeout_s=60)
     assert len({e["event_id"] for e in events}) == 3
 
 
