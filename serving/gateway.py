@@ -48,6 +48,7 @@ from serving.client import EngineClient, EngineError, error_message
 from serving.config import FleetConfig, GatewayConfig
 from serving.engine import openai_error, validation_message
 from serving.fleet import Replica
+from serving.limits import BodyLimit
 from serving.protocol import ChatCompletionRequest, CompletionRequest
 from serving.telemetry import TelemetryEmitter
 from serving.turns import MAX_SESSION_ID
@@ -468,24 +469,12 @@ def create_gateway_app(gateway: Gateway, background: list[Callable[[], Awaitable
     app = FastAPI(title="Undertow gateway", docs_url=None, redoc_url=None, lifespan=lifespan)
     limit = gateway.config.max_body_bytes
 
-    @app.middleware("http")
-    async def body_limit(request: Request, call_next):  # type: ignore[no-untyped-def]
-        if request.method == "POST":
-            declared = request.headers.get("content-length")
-            if declared is not None and (not declared.isdigit() or int(declared) > limit):
-                return gateway.fail(
-                    413,
-                    f"request body is larger than the limit of {limit} bytes; send a shorter prompt",
-                    "RequestTooLarge",
-                )
-            body = await request.body()
-            if len(body) > limit:
-                return gateway.fail(
-                    413,
-                    f"request body is larger than the limit of {limit} bytes; send a shorter prompt",
-                    "RequestTooLarge",
-                )
-        return await call_next(request)
+    def too_large(limit: int) -> Response:
+        return gateway.fail(
+            413, f"request body is larger than the limit of {limit} bytes; send a shorter prompt", "RequestTooLarge"
+        )
+
+    app.add_middleware(BodyLimit, limit=limit, refuse=too_large)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:

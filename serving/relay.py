@@ -12,6 +12,8 @@ the re-scored logprobs and routed experts, which replace the sampler's. However 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -120,7 +122,17 @@ class Relay:
             served.finish_reason = str(choice["finish_reason"])
 
     async def close(self) -> list[Served]:
-        """Close the engine's stream; what each choice served (unfinished ones end with ``abort``)."""
+        """Close the engine's stream; what each choice served (unfinished ones end with ``abort``).
+
+        A finished stream is read to the end of its body first, so the connection to the engine
+        goes back to the pool; an unfinished one (the client left) is closed at once, which
+        stops the engine's generation.
+        """
+        if self.finished:
+            with contextlib.suppress(httpx.HTTPError, TimeoutError):
+                async with asyncio.timeout(1.0):
+                    async for _ in self.lines:
+                        pass
         await self.response.aclose()
         for served in self.served.values():
             if served.finish_reason is None:

@@ -235,6 +235,25 @@ def _served_exactly(turns: list[dict[str, Any]], checkpoint: Any) -> None:
     assert "<tool_response>\n2 passed, 1 failed: add(2, 2) != 4\n</tool_response>" in second
 
 
+def test_finished_streams_reuse_one_connection_to_the_engine(stack: Stack) -> None:
+    import psutil
+
+    port = int(stack.engine_url.rsplit(":", 1)[1])
+
+    def local_ports() -> set[int]:
+        return {c.laddr.port for c in psutil.Process().net_connections("tcp") if c.raddr and c.raddr.port == port}
+
+    client = stack.client()
+    seen: set[int] = set()
+    for seed in range(3):
+        chunks = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, seed=seed, stream=True
+        )
+        assert [c for c in chunks if c.choices]
+        seen |= local_ports()
+    assert len(seen) == 1, f"each finished stream went back to the pool, got connections from ports {seen}"
+
+
 def test_an_abandoned_stream_stops_generation_and_is_recorded(stack: Stack) -> None:
     aborted = _engine_counter(stack.engine_url, "vllm:request_success_total", "abort")
     tokens_before = _engine_counter(stack.engine_url, "vllm:generation_tokens_total")
