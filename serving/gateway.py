@@ -163,8 +163,9 @@ class Gateway:
         self.errors[kind] += 1
         return openai_error(status, message, kind)
 
-    async def complete(self, req: GatewayRequest) -> Response:
-        """``/v1/completions``: one user request, whole or streamed."""
+    async def complete(self, req: GatewayRequest, session_header: str | None = None) -> Response:
+        """``/v1/completions``: one user request, whole or streamed (its session id from the body,
+        else the ``x-session-id`` header)."""
         k = req.candidates or req.n
         if k > self.config.max_candidates:
             return self.fail(400, f"candidates/n {k} exceeds the gateway's limit of {self.config.max_candidates}")
@@ -174,7 +175,10 @@ class Gateway:
             )
         body = req.model_dump(exclude={"user", "session_id", "candidates", "model"}, exclude_none=True)
         body.update(n=k, return_token_ids=True, logprobs=req.logprobs or 0)
-        base, _, group_id = turns.link(req.session_id, None, k)
+        session = req.session_id or session_header
+        if session is not None and not 0 < len(session) <= turns.MAX_SESSION_ID:
+            return self.fail(400, f"a session id is 1 to {turns.MAX_SESSION_ID} characters")
+        base, _, group_id = turns.link(session, None, k)
         served = turns.Request(
             model=self.model_name,
             user=req.user,
@@ -490,8 +494,8 @@ def create_gateway_app(gateway: Gateway, background: list[Callable[[], Awaitable
         return {"object": "list", "data": [{"id": gateway.model_name, "object": "model", "owned_by": "undertow"}]}
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(req: GatewayRequest) -> Response:
-        return await gateway.complete(req)
+    async def completions(req: GatewayRequest, request: Request) -> Response:
+        return await gateway.complete(req, request.headers.get(turns.SESSION_HEADER))
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(req: GatewayChatRequest, request: Request) -> Response:

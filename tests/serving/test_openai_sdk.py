@@ -332,6 +332,7 @@ def test_a_streamed_candidate_group_is_one_turn_with_k_sessions(stack: Stack) ->
         ([{"role": "user", "content": "x"}], {"tools": TOOLS + TOOLS[:1]}, "same name"),
         ([{"role": "assistant", "content": None}], {}, "content or tool_calls"),
         ([{"role": "user", "content": "x"}], {"n": 99}, "limit"),
+        ([{"role": "user", "content": "x"}], {"extra_headers": {"x-session-id": "s" * 101}}, "session id"),
     ],
 )
 def test_bad_chat_input_in_openai_error_shape_and_counted(stack: Stack, messages, extra, needle) -> None:  # type: ignore[no-untyped-def]
