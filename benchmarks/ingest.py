@@ -20,18 +20,23 @@ produced once to a fresh topic on the embedded broker.
   timestamp to the commit of the transaction holding the row (p50, p99);
 - ``lost`` / ``duplicated``: produced event ids missing from the database / recorded twice.
 
-Usage: ``python benchmarks/ingest.py --json`` (SQLite); ``--database-url postgresql+psycopg://...``.
+Usage: ``python benchmarks/ingest.py --json`` (a fresh SQLite file); ``--database postgresql``: a fresh
+PostgreSQL database, created through ``--pg-admin-url`` (default: ``UNDERTOW_TEST_PG_ADMIN_URL``, else
+the local server the tests use) and dropped afterwards; ``--database-url URL``: an existing database.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import tempfile
 import threading
 import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -46,6 +51,9 @@ from ingest.producer import TelemetryProducer, event_key
 from ingest.schemas import validate_event
 from ingest.synthetic import default_trace_path, generate, load_rates
 from ingest.tables import DuplicateRow, SessionRow, SignalRow
+
+PG_ADMIN_URL = "postgresql+psycopg://root@127.0.0.1:5432/postgres"
+"""Where ``--database postgresql`` creates its database unless told otherwise (the tests' local server)."""
 
 
 def log(msg: str) -> None:
@@ -142,7 +150,11 @@ def main() -> None:
     parser.add_argument("--events", type=int, default=60000, help="events for the rate comparison")
     parser.add_argument("--latency-events", type=int, default=3000, help="events in the steady stream")
     parser.add_argument("--latency-rate", type=float, default=1500.0, help="events/s of the steady stream")
-    parser.add_argument("--database-url", default=None, help="default: a fresh SQLite file")
+    parser.add_argument(
+        "--database", choices=["sqlite", "postgresql"], default="sqlite", help="a fresh database of this kind"
+    )
+    parser.add_argument("--database-url", default=None, help="an existing database instead of a fresh one")
+    parser.add_argument("--pg-admin-url", default=os.environ.get("UNDERTOW_TEST_PG_ADMIN_URL", PG_ADMIN_URL))
     parser.add_argument("--seed", type=int, default=None)
     args = parser.parse_args()
 
@@ -151,7 +163,37 @@ def main() -> None:
     configure_logging("WARNING")
     seed = args.seed if args.seed is not None else int(time.time()) % 100_000
     tmp = tempfile.TemporaryDirectory()
-    url = args.database_url or f"sqlite:///{Path(tmp.name) / 'bench.db'}"
+    with fresh_database(args, Path(tmp.name)) as url:
+        result = run(args, url, seed)
+    tmp.cleanup()
+    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+
+
+@contextlib.contextmanager
+def fresh_database(args: argparse.Namespace, tmp: Path) -> Iterator[str]:
+    """The database URL to ingest into: ``--database-url``, else a fresh SQLite file or PostgreSQL database."""
+    if args.database_url:
+        yield args.database_url
+        return
+    if args.database == "sqlite":
+        yield f"sqlite:///{tmp / 'bench.db'}"
+        return
+    from sqlalchemy import create_engine, text
+
+    name = f"undertow_bench_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(args.pg_admin_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield args.pg_admin_url.rsplit("/", 1)[0] + f"/{name}"
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def run(args: argparse.Namespace, url: str, seed: int) -> dict[str, object]:
+    """Produce, measure both sides, check what was stored; the result object."""
     upgrade(url)
     engine = make_engine(url)
 
@@ -224,8 +266,7 @@ def main() -> None:
         "note": "absolute rates move with the machine's load; the ratio is measured within one run",
     }
     engine.dispose()
-    tmp.cleanup()
-    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+    return result
 
 
 if __name__ == "__main__":

@@ -19,6 +19,15 @@ The consumer hands each batch to a writer and polls the next one meanwhile. Two 
   process ends and takes them with it (``PR_SET_PDEATHSIG``), and a closed input pipe ends them
   too; after a ``kill -9`` the open transaction rolls back, exactly as in one process. The writer
   reports database retries to the consumer, which logs them.
+
+  On PostgreSQL the writing is the server's (binary ``COPY``, :mod:`ingest.pgcopy`), so one
+  process does both: its main thread validates a batch and builds its rows and ``COPY`` streams
+  while two *lanes* (threads, each with its own connection) write the two batches before it.
+  Waiting on the server releases the interpreter lock, so the server works on two batches, on
+  both cores, while the next is built; no rows are pickled between processes. Batches still
+  commit in order: a lane writes its batch's rows, leaving out the keys of the batch before it
+  (:class:`~ingest.writer.InFlightKeys`: the two never wait on each other's rows), then waits for
+  that batch to be answered before it stores its offsets and commits.
 - ``thread``: the same work in a thread, where other processes cannot share the database
   (in-memory SQLite) or cannot be started (a daemonic process, such as a pool worker), or are
   not wanted.
@@ -35,6 +44,7 @@ import multiprocessing
 import pickle
 import queue
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -53,6 +63,7 @@ from ingest.rows import Codec, codec_for
 from ingest.writer import (
     DeadLetter,
     Delivery,
+    InFlightKeys,
     PreparedEvents,
     WriteResult,
     pack_prepared,
@@ -135,6 +146,10 @@ def prepare_batch(codec: Codec, ctx: BatchContext, records: list[RawRecord]) -> 
     return prepare_events(codec, deliveries), letters
 
 
+class _Abandoned(Exception):
+    """The batch before did not commit: this one rolls back."""
+
+
 def commit_batch(
     engine: Engine,
     ctx: BatchContext,
@@ -144,20 +159,29 @@ def commit_batch(
     cluster: str | None,
     stop: Any,
     on_retry: OnRetry,
+    pending: InFlightKeys | None = None,
+    before_committed: Callable[[], bool] | None = None,
 ) -> BatchDone | None:
     """Write a prepared batch in one transaction; transient errors are retried with backoff.
 
     ``stop`` is an event (``wait(timeout) -> bool``): set while the database is away, the batch
-    gives up uncommitted and ``None`` is returned.
+    gives up uncommitted and ``None`` is returned. With two batches in flight, ``pending`` holds
+    the keys of the batch before (see :class:`~ingest.writer.InFlightKeys`) and
+    ``before_committed`` waits for it once the rows are written, before the offsets: when it did
+    not commit, neither does this one (``None``).
     """
     delay = ctx.retry_initial_s
     while True:
         try:
             with transaction(engine) as session:
-                result = write_prepared(session, prepared)
+                result = write_prepared(session, prepared, pending)
                 write_dead_letters(session, letters)
+                if before_committed is not None and not before_committed():
+                    raise _Abandoned
                 store_offsets(session, ctx.group_id, offsets, cluster)
             return BatchDone(result, letters, time.time(), time.monotonic())
+        except _Abandoned:
+            return None
         except DBAPIError as exc:
             if not is_transient(exc):
                 raise
@@ -223,10 +247,12 @@ class _ChildPending:
 
 
 class ProcessWriter:
-    """Batches validated by one writer process and written by another (see the module docstring)."""
+    """Batches validated by one writer process and written by another; on PostgreSQL one process does both,
+    writing two batches at once (see the module docstring)."""
 
     depth = 3
-    """Batches in flight at most: one committing, one being prepared, one on its way."""
+    """Batches in flight at most: one committing, one being prepared, one on its way (PostgreSQL: one
+    more on its way and one per lane)."""
 
     def __init__(self, engine: Engine, ctx: BatchContext, stop: threading.Event, on_retry: OnRetry) -> None:
         mp = server_context()
@@ -237,26 +263,42 @@ class ProcessWriter:
         self._answers: dict[int, tuple[str, Any]] = {}
         self._child_stop = child_stop = mp.Event()
         jobs_out, self._jobs = mp.Pipe(duplex=False)
-        prepared_out, prepared_in = mp.Pipe(duplex=False)
+        _widen(self._jobs)
         self._conn, answers_in = mp.Pipe(duplex=False)
+        ends = [jobs_out, answers_in]
         url = engine.url.render_as_string(hide_password=False)
-        self._preparer = mp.Process(
-            target=_prepare_main,
-            args=(jobs_out, prepared_in, engine.dialect.name, ctx),
-            name="undertow-ingest-prepare",
-            daemon=True,
-        )
-        self._committer = mp.Process(
-            target=_commit_main,
-            args=(prepared_out, answers_in, url, ctx, child_stop),
-            name="undertow-ingest-writer",
-            daemon=True,
-        )
-        self._preparer.start()
-        self._committer.start()
+        if engine.dialect.name == "postgresql":  # one process: the server does the writing (see the docstring)
+            self.depth = 3 + LANES  # two on their way, one being prepared, one per lane
+            self._preparer = self._committer = mp.Process(
+                target=_prepare_commit_main,
+                args=(jobs_out, answers_in, url, engine.dialect.name, ctx, child_stop),
+                name="undertow-ingest-writer",
+                daemon=True,
+            )
+        else:
+            prepared_out, prepared_in = mp.Pipe(duplex=False)
+            ends += [prepared_out, prepared_in]
+            self._preparer = mp.Process(
+                target=_prepare_main,
+                args=(jobs_out, prepared_in, engine.dialect.name, ctx),
+                name="undertow-ingest-prepare",
+                daemon=True,
+            )
+            self._committer = mp.Process(
+                target=_commit_main,
+                args=(prepared_out, answers_in, url, ctx, child_stop),
+                name="undertow-ingest-writer",
+                daemon=True,
+            )
+        for process in self._processes():
+            process.start()
         # The children hold their own copies now; closing ours lets each reader see EOF when its writer is gone.
-        for end in (jobs_out, prepared_out, prepared_in, answers_in):
+        for end in ends:
             end.close()
+
+    def _processes(self) -> list[Any]:
+        """The writer's processes (one on PostgreSQL), each once."""
+        return list(dict.fromkeys((self._preparer, self._committer)))
 
     def submit(self, records: list[RawRecord], offsets: dict[tuple[str, int], int], cluster: str | None) -> Pending:
         """Send a batch to the validating process."""
@@ -303,13 +345,27 @@ class ProcessWriter:
             with contextlib.suppress(EOFError, OSError):  # after an error the consumer gave up on
                 if self._conn.poll(0.1):
                     self._conn.recv()
-        for process in (self._preparer, self._committer):
+        for process in self._processes():
             process.join(timeout=1)
             if process.is_alive():
                 process.kill()
                 process.join()
         self._jobs.close()
         self._conn.close()
+
+
+_PIPE_BYTES = 1 << 20
+
+
+def _widen(conn: Any) -> None:
+    """Let a pipe hold a whole batch (Linux: 64 KiB by default): its sender then writes it in one or two
+    calls instead of waiting on the reader's interpreter for each 64 KiB."""
+    try:
+        import fcntl
+
+        fcntl.fcntl(conn.fileno(), fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+    except (ImportError, AttributeError, OSError):  # not Linux, or above the system's limit: the default
+        pass
 
 
 def make_writer(engine: Engine, cfg: IngestConfig, ctx: BatchContext, stop: threading.Event, on_retry: OnRetry) -> Any:
@@ -424,6 +480,108 @@ def _commit_main(conn: Any, out: Any, url: str, ctx: BatchContext, stop: Any) ->
         _child_commits(out, engine, ctx, stop, jobs)
     finally:
         engine.dispose()
+
+
+def _prepare_commit_main(conn: Any, out: Any, url: str, dialect: str, ctx: BatchContext, stop: Any) -> None:
+    """PostgreSQL's writer process: validates each batch and builds its rows in the main thread, while two
+    lanes (threads, each with its connection) write the batches before it (see :func:`_lane_commits`)."""
+    _child_setup(ctx)
+    sys.setswitchinterval(0.0005)  # a lane gets the interpreter back soon after each reply of the server
+    codec = codec_for(dialect)
+    # Two batches in flight never wait on each other's rows (InFlightKeys); between processes, a lock wait
+    # that outlasts this is an error, retried like the others, instead of a hang.
+    engine = make_engine(url, connect_args={"options": "-c lock_timeout=60s"})
+    inbox: queue.Queue[Any] = queue.Queue()
+    _drain_into(conn, inbox, lambda message: message)
+    prepared: queue.Queue[Any] = queue.Queue()
+    committer = threading.Thread(
+        target=_lane_commits, args=(out, engine, ctx, stop, prepared), name="lanes", daemon=True
+    )
+    committer.start()
+    try:
+        while (job := inbox.get()) is not None:
+            records, offsets, cluster = job
+            try:
+                rows, letters = prepare_batch(codec, ctx, records)
+                prepared.put((rows, letters, offsets, cluster))
+            except BaseException as exc:  # answered in order, by the lanes
+                prepared.put(exc)
+        prepared.put(None)
+        committer.join()
+    finally:
+        engine.dispose()
+
+
+LANES = 2
+"""Batches PostgreSQL's writer process writes at once, each in its own transaction."""
+
+
+def _lane_commits(conn: Any, engine: Engine, ctx: BatchContext, stop: Any, jobs: queue.Queue[Any]) -> None:
+    """Write batches on :data:`LANES` connections at once and commit them in order; answer each in order.
+
+    Batch k goes to lane k % LANES. Its rows are written while batch k-1 may still be writing its
+    own (the server works on both, on both cores); it leaves out the keys of batch k-1 (so neither
+    waits on the other's rows), then waits for batch k-1 to be answered before it stores its offsets
+    and commits. As with one writer: after a batch that did not commit, none commits.
+    """
+    send_lock = threading.Lock()
+    failed = threading.Event()
+
+    def send(message: tuple[str, Any]) -> None:
+        with send_lock:
+            conn.send(message)
+
+    def on_retry(error: str, delay: float) -> None:
+        send(("retry", (error, delay)))
+
+    def lane(work: queue.Queue[Any]) -> None:
+        while (job := work.get()) is not None:
+            batch, pending, before, answered = job
+
+            def before_committed(before: threading.Event = before) -> bool:
+                before.wait()
+                return not failed.is_set()
+
+            try:
+                if isinstance(batch, BaseException):
+                    raise batch
+                prepared, letters, offsets, cluster = batch
+                done = None
+                if not failed.is_set():
+                    done = commit_batch(
+                        engine, ctx, prepared, letters, offsets, cluster, stop, on_retry, pending, before_committed
+                    )
+                before.wait()  # answers go out in order
+                if done is None:
+                    failed.set()
+                send(("done", done))
+            except BaseException as exc:  # the consumer raises it
+                before.wait()
+                failed.set()
+                try:
+                    send(("error", exc))
+                except Exception:  # not picklable: its text is enough
+                    send(("error", RuntimeError(f"{type(exc).__name__}: {exc}")))
+            finally:
+                answered.set()
+
+    queues: list[queue.Queue[Any]] = [queue.Queue() for _ in range(LANES)]
+    threads = [threading.Thread(target=lane, args=(q,), name=f"lane-{i}", daemon=True) for i, q in enumerate(queues)]
+    for thread in threads:
+        thread.start()
+    before = threading.Event()
+    before.set()
+    pending: InFlightKeys | None = None
+    k = 0
+    while (job := jobs.get()) is not None:
+        answered = threading.Event()
+        queues[k % LANES].put((job, pending, before, answered))
+        pending = None if isinstance(job, BaseException) else InFlightKeys.of(job[0])
+        before, k = answered, k + 1
+    for q in queues:
+        q.put(None)
+    for thread in threads:
+        thread.join()
 
 
 def _child_commits(conn: Any, engine: Engine, ctx: BatchContext, stop: Any, jobs: queue.Queue[Any]) -> None:

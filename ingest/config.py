@@ -37,6 +37,11 @@ class IngestConfig(BaseModel):
     """First backoff after a database error; doubles up to ``retry_max_s``."""
     retry_max_s: float = 5.0
     """Longest backoff between database retries."""
+    unreadable_retry_initial_s: float = Field(default=1.0, gt=0)
+    """First wait before a partition whose next batch could not be read (its codec's library missing, or
+    corrupt) is read again; doubles up to ``unreadable_retry_max_s``. Other partitions flow meanwhile."""
+    unreadable_retry_max_s: float = Field(default=30.0, gt=0)
+    """Longest wait between two reads of a batch that could not be read."""
     fetch_partition_bytes: int = Field(default=256 << 10, ge=1 << 14)
     """Most bytes one fetch takes per partition (kafka-python decodes a fetch while holding the GIL)."""
     create_topics: bool = True

@@ -15,20 +15,23 @@ Faults:
   topics are created again. Offsets are stored with the Kafka cluster id, which the embedded
   broker draws fresh at every start: a new id means a new log, read from its beginning (records
   read twice around the switch are counted as duplicates, never stored twice or lost).
-- ``SIGTERM``: the batch in hand is finished and committed, then the consumer exits.
-- batches compressed with a codec whose library is missing (kafka-python decodes gzip, snappy,
-  lz4 and zstd; the last three need their packages): :class:`UnreadableBatches` stops the
-  consumer at once with what to install (retrying would spin inside the client); nothing past the
-  last commit is stored, so a consumer with the library reads everything.
+- ``SIGTERM`` or ``SIGINT``: the batches in hand are finished and committed, then the consumer
+  exits (``tests/ingest/test_ingest_signals.py``: within 10 s, under a steady stream).
+- a batch that cannot be read (its codec's library missing here, or its bytes corrupt;
+  :mod:`ingest.unreadable`): logged with what to do and recorded in the database (``undertow
+  stats --json``, ``/metrics``); its partition is paused at the batch's offset (nothing after it
+  is stored or skipped) while the others flow, and read again after a back-off that doubles from
+  ``unreadable_retry_initial_s`` to ``unreadable_retry_max_s``. With ``once`` it is not read again:
+  the consumer catches up with every other partition, then raises :class:`UnreadableBatches`.
 
 Pipelining: batches are validated, written and committed by a writer (:mod:`ingest.batches`: a
 validating and a writing process by default, else a thread) while the consumer polls the next
-ones. The writer commits them one at a time, in order, and commits none after a batch that did
-not commit, so stored offsets only ever move forward over rows that are stored; Kafka's commit,
-the dead-letter topic and ``on_commit`` follow each database commit, in order. The process
-writer takes up to three batches (one committing, one being validated, one on its way); the
-thread writer one. Before
-any seek (partition assignment, revocation, a new cluster) every batch in flight is finished.
+ones. The writer commits them in order, and commits none after a batch that did not commit, so
+stored offsets only ever move forward over rows that are stored; Kafka's commit, the dead-letter
+topic and ``on_commit`` follow each database commit, in order. The process
+writer takes up to three batches (one committing, one being validated, one on its way; on
+PostgreSQL five, two of them being written at once); the thread writer one. Before any seek
+(partition assignment, revocation, a new cluster) every batch in flight is finished.
 
 Producers: any Kafka client. Batches compressed with gzip, snappy, lz4 or zstd are decoded;
 idempotent producers need nothing; transactional ones are read with read-committed isolation, so
@@ -45,6 +48,7 @@ Two modes: ``group`` (subscribe; a consumer group spreads partitions over proces
 from __future__ import annotations
 
 import gc
+import math
 import signal
 import threading
 import time
@@ -56,17 +60,20 @@ from typing import Any
 import structlog
 from kafka import ConsumerRebalanceListener
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError
 
 from ingest.batches import BatchContext, Pending, RawRecord, make_writer, quiet_gc
 from ingest.config import IngestConfig, KafkaConfig
 from ingest.db import transaction
+from ingest.unreadable import UnreadableBatch, classify
+from ingest.unreadable import record as record_unreadable
 from ingest.writer import DeadLetter, load_offsets
 
 log = structlog.get_logger(__name__)
 
 
 class UnreadableBatches(RuntimeError):
-    """Records arrived in batches this consumer cannot decode (a compression codec without its library)."""
+    """Partitions wait at batches this consumer cannot read (with ``once``: caught up with all the others)."""
 
 
 @dataclass
@@ -98,6 +105,18 @@ class ConsumerStats:
     """``time.monotonic()`` when the first records arrived (rates exclude connection set-up)."""
     last_commit_s: float | None = None
     """``time.monotonic()`` after the last committed batch."""
+
+
+@dataclass
+class _Held:
+    """A partition paused at a batch that could not be read, and when to read it again."""
+
+    batch: UnreadableBatch
+    delay: float
+    """The back-off before this retry (doubles while the same offset keeps failing)."""
+    retry_at: float
+    """``time.monotonic()`` when to resume the partition (infinite with ``once``)."""
+    paused: bool = True
 
 
 @dataclass
@@ -142,6 +161,8 @@ class IngestConsumer:
         """Batches handed to the writer, oldest first (at most its ``depth``)."""
         self._failed = False
         """A batch did not commit (stopped while the database was away): nothing after it may commit."""
+        self._held: dict[Any, _Held] = {}
+        """Partitions at a batch that could not be read (paused, or being read again)."""
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -232,6 +253,7 @@ class IngestConsumer:
 
     def _assign_all(self) -> None:
         tps = self._partitions()
+        self._held.clear()  # a new assignment is not paused
         self._consumer.assign(tps)
         self.seek_to_stored(tps)
 
@@ -267,7 +289,7 @@ class IngestConsumer:
 
     def run(self, once: bool = False, max_seconds: float | None = None) -> ConsumerStats:
         """Consume until stopped (or, with ``once``, until caught up with every partition)."""
-        from kafka.errors import KafkaError, UnsupportedCodecError
+        from kafka.errors import KafkaError
 
         thresholds = gc.get_threshold()
         if self.cfg.gc_threshold:
@@ -302,13 +324,6 @@ class IngestConsumer:
                     if self._step(once, time.monotonic() - last_topic_check > self.cfg.topic_check_s):
                         break
                     broker_delay = self.cfg.retry_initial_s
-                except UnsupportedCodecError as exc:  # retrying cannot help: the client would spin on it
-                    raise UnreadableBatches(
-                        f"a producer compressed its batches with a codec this consumer cannot decode ({exc}); "
-                        "install the codec's library (Undertow's dependencies bring python-snappy, lz4 and "
-                        "zstandard) and run ingest again: nothing past the last committed offset was stored, "
-                        "and nothing is lost"
-                    ) from exc
                 except KafkaError as exc:  # the broker is away: the client reconnects by itself
                     log.warning("ingest.broker_unavailable", error=str(exc)[:200], retry_in_s=round(broker_delay, 2))
                     self._stop.wait(broker_delay)
@@ -326,6 +341,8 @@ class IngestConsumer:
                 gc.set_threshold(*thresholds)
                 gc.unfreeze()
         log.info("ingest.stopped", **vars(self.stats))
+        if once and self._held and not self._stop.is_set():
+            raise UnreadableBatches("; ".join(held.batch.advice() for held in self._held.values()))
         return self.stats
 
     def _step(self, once: bool, check_topics: bool) -> bool:
@@ -336,8 +353,17 @@ class IngestConsumer:
             self._stop.set()
             return True
         self._check_cluster()
+        self._retry_held()
         cluster = self._cluster
-        batch = self._consumer.poll(timeout_ms=self.cfg.poll_timeout_ms, max_records=self.cfg.batch_size)
+        try:
+            batch = self._consumer.poll(timeout_ms=self.cfg.poll_timeout_ms, max_records=self.cfg.batch_size)
+        except Exception as exc:  # a batch that cannot be read: hold its partition; anything else propagates
+            if not self._hold_unreadable(exc, once):
+                raise
+            return False
+        if self._held:
+            for tp in batch:  # read past the batch that failed
+                self._held.pop(tp, None)
         records = [r for part in batch.values() for r in part]
         if records and (self._cluster != cluster or (self._cluster_now() or cluster) != cluster):
             # The cluster changed during the poll: these records may come from either log. Drop
@@ -358,12 +384,62 @@ class IngestConsumer:
         return False
 
     def _caught_up(self) -> bool:
-        """True when every assigned partition's position has reached its end offset."""
+        """True when every assigned partition's position has reached its end offset (or waits at a batch
+        that could not be read)."""
         assigned = list(self._consumer.assignment())
         if not assigned:
             return False
-        ends = self._consumer.end_offsets(assigned)
-        return all(self._consumer.position(tp) >= ends[tp] for tp in assigned)
+        readable = [tp for tp in assigned if tp not in self._held]
+        if not readable:
+            return True
+        ends = self._consumer.end_offsets(readable)
+        return all(self._consumer.position(tp) >= ends[tp] for tp in readable)
+
+    def _hold_unreadable(self, exc: BaseException, once: bool) -> bool:
+        """A poll failed: when on a batch's bytes, pause its partition there, log and record it; else False."""
+        reason = classify(exc)
+        if reason is None:
+            return False
+        failed = _forget_failed_fetch(self._consumer)
+        if failed is None:  # not where this code knows to find it: stop, rather than spin inside the client
+            raise UnreadableBatches(f"a batch could not be read ({exc}) and the Kafka client cannot skip it") from exc
+        tp, offset = failed
+        batch = UnreadableBatch(tp.topic, tp.partition, offset, reason, str(exc)[:500])
+        before = self._held.get(tp)
+        delay = self.cfg.unreadable_retry_initial_s
+        if before is not None and before.batch.offset == offset:
+            delay = min(before.delay * 2, self.cfg.unreadable_retry_max_s)
+        self._consumer.pause(tp)
+        self._held[tp] = _Held(batch, delay, math.inf if once else time.monotonic() + delay)
+        log.error(
+            "ingest.unreadable_batch",
+            topic=tp.topic,
+            partition=tp.partition,
+            offset=offset,
+            reason=reason,
+            retry_in_s=None if once else delay,
+            advice=batch.advice(),
+        )
+        try:
+            record_unreadable(self.engine, self.kafka.group_id, batch)
+        except DBAPIError as exc2:  # the database is away too: the next failed read records it
+            log.warning("ingest.unreadable_not_recorded", error=str(exc2.orig)[:200])
+        return True
+
+    def _retry_held(self) -> None:
+        """Resume the held partitions whose back-off is over, at the batch that failed."""
+        now = time.monotonic()
+        for tp, held in self._held.items():
+            if held.paused and now >= held.retry_at:
+                held.paused = False
+                if tp in self._consumer.assignment():
+                    self._consumer.resume(tp)
+                    self._consumer.seek(tp, held.batch.offset)
+
+    def forget_held(self, tps: list[Any]) -> None:
+        """Partitions revoked by a rebalance: their next owner reads them again."""
+        for tp in tps:
+            self._held.pop(tp, None)
 
     def _recover_topics(self) -> None:
         """After a broker restart the topics may be gone: create them and re-assign if needed."""
@@ -462,6 +538,24 @@ def fetch_options(bootstrap: str, kafka: KafkaConfig, ingest: IngestConfig) -> d
     }
 
 
+def _forget_failed_fetch(consumer: Any) -> tuple[Any, int] | None:
+    """The partition and offset of the batch a poll just failed on, forgotten by the client (else None).
+
+    kafka-python keeps that batch's record iterator, dead after the error, as the next in line: every
+    later poll goes back to it and loops over it forever inside the client (a core at 100 %, signals
+    never handled). Dropping it lets the partition be paused, then fetched again from that offset.
+    """
+    fetcher = getattr(consumer, "_fetcher", None)
+    part = getattr(fetcher, "_next_partition_records", None)
+    tp = getattr(part, "topic_partition", None)
+    offset = getattr(part, "next_fetch_offset", None)
+    if part is None or tp is None or offset is None:
+        return None
+    part.drain()
+    fetcher._next_partition_records = None  # type: ignore[union-attr]
+    return tp, int(offset)
+
+
 def _log_commit_failure(offsets: Any, response: Any) -> None:
     if isinstance(response, Exception):
         log.warning("ingest.kafka_commit_failed", error=str(response)[:200])
@@ -485,6 +579,7 @@ class _SeekToStored(ConsumerRebalanceListener):  # type: ignore[misc]
     def on_partitions_revoked(self, revoked: Any) -> None:
         """Finish the batch in flight, so the next owner starts from offsets that include it."""
         self.owner._drain()
+        self.owner.forget_held(list(revoked))
 
     def on_partitions_assigned(self, assigned: Any) -> None:
         if assigned:

@@ -123,9 +123,10 @@ def codec_for(dialect: str) -> Codec:
         return Codec("sqlite", "?", sqlite_text, _same, sqlite3.Error)
     if dialect == "postgresql":
         import psycopg
-        from psycopg.types.json import Json
 
-        return Codec("postgresql", "%s", as_utc, lambda text: Json(text, dumps=_same), psycopg.Error, no_nul)
+        # JSON text as it is: binary COPY sends it as the json column's bytes, and psycopg binds a str to the
+        # server as untyped text, which the json column parses (no wrapper object per row).
+        return Codec("postgresql", "%s", as_utc, _same, psycopg.Error, no_nul)
     raise RuntimeError(f"Unsupported database dialect {dialect!r}: use SQLite or PostgreSQL.")
 
 

@@ -10,6 +10,11 @@ The consumer tries :mod:`ingest.fastpath` (msgspec, a mirror of these models) fi
 refuses is validated here in one pass by pydantic-core, and only one that fails is re-examined to
 find the precise reason.
 
+Identifiers (``Id``: event, session, user, group ids, model names) and ``finish_reason`` may not
+contain NUL (U+0000): databases key and index them, and PostgreSQL's text cannot hold NUL. Such
+an event is a dead letter (``validation_error``, its detail naming the field), never a batch that
+fails to commit. Free text may contain NUL (a model can sample it): see :func:`ingest.rows.no_nul`.
+
 Left out on purpose: ``routed_experts`` is checked to be an integer ``.npy`` array of rank 3, but
 its row count is not compared with the token count (the prompt may arrive as text only).
 """
@@ -121,7 +126,9 @@ class _Rfc3339:
         return {"type": "string", "format": "date-time"}
 
 
-Id = Annotated[str, StringConstraints(min_length=1, max_length=128)]
+NO_NUL_PATTERN = r"^[^\x00]*$"
+"""Identifiers may not contain NUL (U+0000)."""
+Id = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=NO_NUL_PATTERN)]
 Timestamp = Annotated[datetime, _Rfc3339]
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 Count = Annotated[int, Field(ge=0, lt=2**31)]
@@ -245,7 +252,7 @@ class SessionCompletedPayload(_Open):
     segments: list[Segment] = Field(min_length=1)
     routed_experts: str | None = None
     sampling: Sampling | None = None
-    finish_reason: str | None = Field(default=None, max_length=32)
+    finish_reason: str | None = Field(default=None, max_length=32, pattern=NO_NUL_PATTERN)
     latency_ms: float | None = Field(default=None, ge=0)
     files: list[FileChange] | None = None
 
@@ -425,8 +432,15 @@ def _diagnose(raw: bytes, exc: ValidationError) -> InvalidEvent:
     reason = VALIDATION_ERROR
     if any(err["type"] == LOGPROBS_LENGTH_MISMATCH for err in errors):
         reason = LOGPROBS_LENGTH_MISMATCH
-    detail = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in errors[:5])
+    detail = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {_message(err)}" for err in errors[:5])
     return InvalidEvent(reason, detail, event_id)
+
+
+def _message(err: Any) -> str:
+    """A validation error's message; the NUL rule's names the character instead of its pattern."""
+    if err["type"] == "string_pattern_mismatch" and err.get("ctx", {}).get("pattern") == NO_NUL_PATTERN:
+        return "contains a NUL character (U+0000), which identifiers may not"
+    return str(err["msg"])
 
 
 def validate_event(event: BaseModel | dict[str, Any]) -> Event:

@@ -3,6 +3,8 @@
 ``events`` counts distinct stored events by type (each ``event_id`` once: sessions and signals
 are stored once by construction); ``duplicates`` counts deliveries of an already stored
 ``event_id``; ``dead_letters`` counts rows in the dead-letter store, replayed or not.
+``unreadable_batches`` (added to the contract's keys) tells about batches the consumer could not
+read (:func:`ingest.unreadable.summary`): failed reads, the latest one, and the partitions held.
 """
 
 from __future__ import annotations
@@ -15,15 +17,23 @@ from sqlalchemy.engine import Engine
 from ingest.db import transaction
 from ingest.schemas import SESSION_COMPLETED
 from ingest.tables import DeadLetterRow, DuplicateRow, SessionRow, SignalRow
+from ingest.unreadable import summary
 
 
 def stats(engine: Engine) -> dict[str, Any]:
-    """``{"events": {"<type>": n}, "sessions": n, "duplicates": n, "dead_letters": n}``."""
+    """``{"events": {"<type>": n}, "sessions": n, "duplicates": n, "dead_letters": n, "unreadable_batches": {...}}``."""
     with transaction(engine) as session:
         sessions = int(session.scalar(select(func.count()).select_from(SessionRow)) or 0)
         by_type = dict(session.execute(select(SignalRow.type, func.count()).group_by(SignalRow.type)).tuples().all())
         duplicates = int(session.scalar(select(func.count()).select_from(DuplicateRow)) or 0)
         dead_letters = int(session.scalar(select(func.count()).select_from(DeadLetterRow)) or 0)
+        unreadable = summary(session)
     events: dict[str, int] = {SESSION_COMPLETED: sessions} if sessions else {}
     events.update({str(k): int(v) for k, v in sorted(by_type.items())})
-    return {"events": events, "sessions": sessions, "duplicates": duplicates, "dead_letters": dead_letters}
+    return {
+        "events": events,
+        "sessions": sessions,
+        "duplicates": duplicates,
+        "dead_letters": dead_letters,
+        "unreadable_batches": unreadable,
+    }

@@ -6,7 +6,8 @@ what the engine returned) and routed experts as the raw ``.npy`` bytes vLLM sent
 base64): compact, and loaded straight into NumPy with :mod:`ingest.arrays`.
 Signals keep no foreign key to sessions: they may arrive before their session, and are joined
 by ``session_id`` whenever it arrives. Only columns that queries filter, join or group by are
-indexed (each index costs every insert).
+indexed (each index costs every insert). On PostgreSQL the indexed identifiers compare by bytes
+(``COLLATE "C"``) and the binary columns compress with lz4 (migration ``ingest_0003``).
 """
 
 from __future__ import annotations
@@ -134,3 +135,27 @@ class ConsumerOffsetRow(Base):
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
     cluster_id: Mapped[str | None] = mapped_column(String(255))
     """Kafka cluster id the offset refers to; a different id means the log was recreated."""
+
+
+class UnreadableBatchRow(Base):
+    """A partition's batch the consumer could not read (a codec without its library, a corrupt batch).
+
+    One row per group and partition, updated at every failed read; the partition is still held there
+    while the group's stored offset (:class:`ConsumerOffsetRow`) has not passed ``offset``.
+    """
+
+    __tablename__ = "unreadable_batches"
+
+    group_id: Mapped[str] = mapped_column(String(255), primary_key=True)
+    topic: Mapped[str] = mapped_column(String(255), primary_key=True)
+    partition: Mapped[int] = mapped_column(Integer, primary_key=True)
+    offset: Mapped[int] = mapped_column(BigInteger)
+    """Offset of the batch that could not be read (where the partition waits)."""
+    reason: Mapped[str] = mapped_column(String(64))
+    """``codec_unavailable`` or ``corrupt_batch``."""
+    detail: Mapped[str] = mapped_column(Text, default="")
+    """What failed and what to do."""
+    failures: Mapped[int] = mapped_column(Integer, default=0)
+    """Failed reads recorded for this partition, all offsets together."""
+    first_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    last_at: Mapped[datetime] = mapped_column(UTCDateTime)

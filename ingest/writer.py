@@ -7,12 +7,19 @@ batch, is recorded in ``duplicates`` and never stored twice. So is a second ``se
 for a ``session_id`` already stored under another ``event_id`` (a producer that re-sent a session
 with a fresh id): a session is one rollout and is stored once.
 
-The hot inserts go through the driver's ``executemany`` with rows built by :mod:`ingest.rows`, in
-the session's transaction; everything else goes through SQLAlchemy. Safety against a concurrent
-writer comes from ``INSERT OR IGNORE`` (SQLite) / ``INSERT .. ON CONFLICT DO NOTHING``
-(PostgreSQL): whatever a racing transaction stored first is counted as a duplicate here. The
-consumer calls :func:`write_events`, :func:`write_dead_letters` and :func:`store_offsets` in one
-transaction, so rows and offsets commit together.
+The hot inserts go through the driver with rows built by :mod:`ingest.rows`, in the session's
+transaction; everything else goes through SQLAlchemy. First one lookup finds which ``event_id``
+are stored already; then:
+
+- PostgreSQL: the new rows go in with binary ``COPY`` (one round trip per table, no statement per
+  row), inside a savepoint. ``COPY`` cannot skip a conflicting row, so a row that a concurrent
+  writer stored since the lookup (or a session re-sent under a fresh ``event_id``) fails it: the
+  savepoint is rolled back and the batch takes the SQLite path below instead.
+- SQLite (and that fallback): ``executemany`` with ``INSERT OR IGNORE`` / ``INSERT .. ON CONFLICT
+  DO NOTHING``: whatever a racing transaction stored first is counted as a duplicate here.
+
+The consumer calls :func:`write_events`, :func:`write_dead_letters` and :func:`store_offsets` in
+one transaction, so rows and offsets commit together.
 """
 
 from __future__ import annotations
@@ -20,15 +27,17 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import cache
 from operator import itemgetter
 from typing import Any, cast
 
+import msgspec
 from sqlalchemy import Table, select
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from ingest import fastpath, schemas
+from ingest.pgcopy import RowEncoder
 from ingest.rows import (
     DUPLICATE_COLUMNS,
     SEGMENT_COLUMNS,
@@ -40,6 +49,7 @@ from ingest.rows import (
     JsonText,
     Row,
     codec_for,
+    no_nul,
     payload_json,
     session_rows,
     session_values,
@@ -52,6 +62,7 @@ from ingest.tables import ConsumerOffsetRow, DeadLetterRow, DuplicateRow, Segmen
 __all__ = [
     "DeadLetter",
     "Delivery",
+    "InFlightKeys",
     "JsonText",
     "PreparedEvents",
     "WriteResult",
@@ -111,16 +122,6 @@ class WriteResult:
     duplicates: int = 0
     stored_ids: list[str] = field(default_factory=list)
     duplicate_ids: list[str] = field(default_factory=list)
-
-
-def _insert(session: Session, table: Table) -> Any:
-    """A dialect ``INSERT`` that supports ``ON CONFLICT``."""
-    name = session.get_bind().dialect.name
-    if name == "postgresql":
-        return postgresql.insert(table)
-    if name == "sqlite":
-        return sqlite.insert(table)
-    raise RuntimeError(f"Unsupported database dialect {name!r}: use SQLite or PostgreSQL.")
 
 
 def _codec(session: Session) -> Codec:
@@ -191,8 +192,21 @@ def existing_event_ids(session: Session, event_ids: Iterable[str]) -> set[str]:
     # the generic plan made while a fresh table was nearly empty scans it whole, every batch, as
     # it grows (measured: 60,000 events ingested at a third of the rate of 20,000).
     codec = _codec(session)
-    options = {"prepare": False} if codec.dialect == "postgresql" else {}
     cursor = _cursor(session)
+    if codec.dialect == "postgresql":  # the ids as one JSON array: one short statement, one parameter
+        statement = (
+            f"WITH ids AS (SELECT json_array_elements_text(%s::json) AS event_id) "
+            f'SELECT event_id FROM "{_SESSIONS.name}" WHERE event_id IN (SELECT event_id FROM ids) '
+            f'UNION ALL SELECT event_id FROM "{_SIGNALS.name}" WHERE event_id IN (SELECT event_id FROM ids)'
+        )
+        try:
+            cursor.execute(statement, (msgspec.json.encode(ids).decode(),), prepare=False)
+            found.update(row[0] for row in cursor.fetchall())
+        except codec.error as exc:  # raised as SQLAlchemy would (connection lost, ...)
+            raise DBAPIError.instance(statement, None, exc, codec.error) from exc
+        finally:
+            cursor.close()
+        return found
     try:
         for start in range(0, len(ids), _CHUNK):
             chunk = ids[start : start + _CHUNK]
@@ -202,7 +216,7 @@ def existing_event_ids(session: Session, event_ids: Iterable[str]) -> set[str]:
                 f'UNION ALL SELECT event_id FROM "{_SIGNALS.name}" WHERE event_id IN ({marks})'
             )
             try:
-                cursor.execute(statement, chunk + chunk, **options)
+                cursor.execute(statement, chunk + chunk)
                 found.update(row[0] for row in cursor.fetchall())
             except codec.error as exc:  # raised as SQLAlchemy would (locked, connection lost, ...)
                 raise DBAPIError.instance(statement, None, exc, codec.error) from exc
@@ -221,6 +235,8 @@ class PreparedEvents:
     """Every delivery, in order."""
     first: dict[str, tuple[Delivery, Row, list[Row] | None]]
     """Per ``event_id``, its first delivery with its row (and segment rows for a session), in order."""
+    copied: tuple[NewRows, dict[str, bytes]] | None = None
+    """PostgreSQL: the rows to insert when none of the batch is stored yet, and their binary ``COPY`` streams."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,7 +246,13 @@ class EventRef:
     event_id: str
 
 
-PackedEvents = tuple[str, datetime, list[tuple[str, str, int, int]], list[tuple[str, Row, list[Row] | None]]]
+PackedEvents = tuple[
+    str,
+    datetime,
+    list[tuple[str, str, int, int]],
+    list[tuple[str, Row, list[Row] | None]],
+    tuple["NewRows", dict[str, bytes]] | None,
+]
 """A :class:`PreparedEvents` as plain tuples: sent between processes (cheap to pickle).
 Producer: the validating process of :mod:`ingest.batches`; consumer: its writer process."""
 
@@ -239,18 +261,18 @@ def pack_prepared(prepared: PreparedEvents) -> PackedEvents:
     """The rows and delivery coordinates of a prepared batch, without the events themselves."""
     items = [(d.event.event_id, d.topic, d.partition, d.offset) for d in prepared.items]
     first = [(eid, row, segs) for eid, (_, row, segs) in prepared.first.items()]
-    return prepared.codec.dialect, prepared.received_at, items, first
+    return prepared.codec.dialect, prepared.received_at, items, first, prepared.copied
 
 
 def unpack_prepared(packed: PackedEvents) -> PreparedEvents:
     """:func:`pack_prepared` undone, with :class:`EventRef` in place of each event."""
-    dialect, received_at, items, first = packed
+    dialect, received_at, items, first, copied = packed
     deliveries = [Delivery(cast(Any, EventRef(eid)), topic, part, offset) for eid, topic, part, offset in items]
     by_id: dict[str, Delivery] = {}
     for d in deliveries:
         by_id.setdefault(d.event.event_id, d)
     rows = {eid: (by_id[eid], row, segs) for eid, row, segs in first}
-    return PreparedEvents(codec_for(dialect), received_at, deliveries, rows)
+    return PreparedEvents(codec_for(dialect), received_at, deliveries, rows, copied)
 
 
 def prepare_events(
@@ -270,7 +292,11 @@ def prepare_events(
             first[event.event_id] = (d, row, segs)
         else:
             first[event.event_id] = (d, signal_values(event, received, codec), None)
-    return PreparedEvents(codec, received_at, items, first)
+    copied = None
+    if codec.dialect == "postgresql":
+        rows = new_rows(first, set())
+        copied = rows, copy_streams(rows)
+    return PreparedEvents(codec, received_at, items, first, copied)
 
 
 def write_events(
@@ -280,13 +306,75 @@ def write_events(
     return write_prepared(session, prepare_events(_codec(session), deliveries, received_at))
 
 
-def write_prepared(session: Session, prepared: PreparedEvents) -> WriteResult:
-    """:func:`write_events` for rows built by :func:`prepare_events` (with this session's dialect)."""
+@dataclass
+class NewRows:
+    """The rows a batch inserts: the first delivery of each ``event_id`` not stored yet, a session once."""
+
+    sessions: list[Row]
+    """Sorted by ``session_id``: a fixed key order keeps two concurrent writers from deadlocking."""
+    segments: dict[str, list[Row]]
+    """Per ``session_id`` of :attr:`sessions`, its segment rows."""
+    signals: list[Row]
+    """Sorted by ``event_id``."""
+
+    def segment_rows(self, event_ids: set[str] | None = None) -> list[Row]:
+        """Segment rows of the sessions (of those whose ``event_id`` is in ``event_ids``), in session order."""
+        return [
+            seg
+            for row in self.sessions
+            if event_ids is None or row[SESSION_EVENT_ID] in event_ids
+            for seg in self.segments[row[SESSION_KEY]]
+        ]
+
+
+@dataclass(frozen=True)
+class InFlightKeys:
+    """The keys a batch not committed yet may store: a writer with two batches in flight leaves them out of
+    the next one (counted as duplicates there), so the two never wait on each other's rows. Should the batch
+    before not commit, neither does the next one."""
+
+    event_ids: frozenset[str]
+    session_ids: frozenset[str]
+
+    @classmethod
+    def of(cls, prepared: PreparedEvents) -> InFlightKeys:
+        sessions = (row[SESSION_KEY] for _, row, segs in prepared.first.values() if segs is not None)
+        return cls(frozenset(prepared.first), frozenset(sessions))
+
+
+def new_rows(
+    first: Mapping[str, tuple[Delivery, Row, list[Row] | None]],
+    stored: set[str],
+    pending_sessions: frozenset[str] = frozenset(),
+) -> NewRows:
+    """The rows to insert for ``first`` (:attr:`PreparedEvents.first`) when ``stored`` event ids exist already
+    (and the sessions ``pending_sessions`` are being stored by a batch before)."""
+    rows = NewRows([], {}, [])
+    for eid, (_, row, segs) in first.items():
+        if eid in stored:
+            continue
+        if segs is None:
+            rows.signals.append(row)
+        elif row[SESSION_KEY] not in rows.segments and row[SESSION_KEY] not in pending_sessions:
+            rows.sessions.append(row)  # else the same session twice in one batch under two event ids, or in
+            rows.segments[row[SESSION_KEY]] = segs  # the batch before: counted as a duplicate, not inserted
+    rows.sessions.sort(key=itemgetter(SESSION_KEY))
+    rows.signals.sort(key=itemgetter(0))
+    return rows
+
+
+def write_prepared(session: Session, prepared: PreparedEvents, pending: InFlightKeys | None = None) -> WriteResult:
+    """:func:`write_events` for rows built by :func:`prepare_events` (with this session's dialect); the keys of
+    ``pending`` (a batch before, perhaps not committed yet) count as stored."""
     result = WriteResult()
     items, codec, received_at = prepared.items, prepared.codec, prepared.received_at
     if not items:
         return result
     already = existing_event_ids(session, prepared.first)
+    pending_sessions: frozenset[str] = frozenset()
+    if pending is not None:
+        already |= pending.event_ids.intersection(prepared.first)
+        pending_sessions = pending.session_ids
     fresh: dict[str, Delivery] = {}
     dupes: list[Delivery] = []
     for d in items:
@@ -296,28 +384,24 @@ def write_prepared(session: Session, prepared: PreparedEvents) -> WriteResult:
         else:
             fresh[eid] = d
 
-    sessions: list[Row] = []
-    segments: dict[str, list[Row]] = {}
-    signals: list[Row] = []
-    for eid in fresh:
-        _, row, segs = prepared.first[eid]
-        if segs is None:
-            signals.append(row)
-        elif row[SESSION_KEY] not in segments:  # else the same session twice in one batch, under two event ids:
-            sessions.append(row)  # counted below, not inserted
-            segments[row[SESSION_KEY]] = segs
-
-    # A fixed key order keeps two concurrent writers from deadlocking on each other's rows.
-    sessions.sort(key=itemgetter(SESSION_KEY))
-    signals.sort(key=itemgetter(0))
-    inserted: set[str] = set()
-    if sessions:
-        inserted |= _insert_new(session, codec, _SESSIONS, SESSION_COLUMNS, sessions, SESSION_EVENT_ID, received_at)
-        seg_rows = [seg for row in sessions if row[SESSION_EVENT_ID] in inserted for seg in segments[row[SESSION_KEY]]]
-        if seg_rows:
-            _executemany(session, codec, _SEGMENTS, SEGMENT_COLUMNS, seg_rows, skip_conflicts=False)
-    if signals:
-        inserted |= _insert_new(session, codec, _SIGNALS, SIGNAL_COLUMNS, signals, 0, received_at)
+    streams = None
+    if prepared.copied is not None and not already and pending_sessions.isdisjoint(prepared.copied[0].segments):
+        rows, streams = prepared.copied  # built for the batch with nothing stored before
+    else:
+        rows = new_rows(prepared.first, already, pending_sessions)
+    if codec.dialect == "postgresql" and _copy_new(session, codec, rows, streams):
+        inserted = {row[SESSION_EVENT_ID] for row in rows.sessions} | {row[0] for row in rows.signals}
+    else:
+        inserted = set()
+        if rows.sessions:
+            inserted |= _insert_new(
+                session, codec, _SESSIONS, SESSION_COLUMNS, rows.sessions, SESSION_EVENT_ID, received_at
+            )
+            seg_rows = rows.segment_rows(inserted)
+            if seg_rows:
+                _executemany(session, codec, _SEGMENTS, SEGMENT_COLUMNS, seg_rows, skip_conflicts=False)
+        if rows.signals:
+            inserted |= _insert_new(session, codec, _SIGNALS, SIGNAL_COLUMNS, rows.signals, 0, received_at)
     dupes.extend(d for eid, d in fresh.items() if eid not in inserted)
 
     if dupes:
@@ -329,6 +413,44 @@ def write_prepared(session: Session, prepared: PreparedEvents) -> WriteResult:
     result.duplicates = len(dupes)
     result.duplicate_ids = [d.event.event_id for d in dupes]
     return result
+
+
+_COPY = {
+    table.name: RowEncoder(table, columns)
+    for table, columns in ((_SESSIONS, SESSION_COLUMNS), (_SEGMENTS, SEGMENT_COLUMNS), (_SIGNALS, SIGNAL_COLUMNS))
+}
+"""Binary ``COPY`` of each hot table (PostgreSQL)."""
+
+
+def copy_streams(rows: NewRows) -> dict[str, bytes]:
+    """Each hot table's rows as one binary ``COPY`` stream (tables without rows left out)."""
+    tables = ((_SESSIONS, rows.sessions), (_SEGMENTS, rows.segment_rows()), (_SIGNALS, rows.signals))
+    return {table.name: _COPY[table.name].encode(part) for table, part in tables if part}
+
+
+def _copy_new(session: Session, codec: Codec, rows: NewRows, copied: dict[str, bytes] | None) -> bool:
+    """PostgreSQL: ``COPY`` the new rows (``copied``: their streams, built already); False, with nothing
+    written, when one of them was stored meanwhile by a concurrent writer (or a session came again under
+    a fresh ``event_id``): ``COPY`` cannot skip a row, so the caller inserts with ``ON CONFLICT`` instead."""
+    import psycopg
+
+    streams = copied if copied is not None else copy_streams(rows)
+    cursor = _cursor(session)
+    try:
+        cursor.execute("SAVEPOINT undertow_copy")
+        try:
+            for name, data in streams.items():
+                with cursor.copy(_COPY[name].statement) as copy:
+                    copy.write(data)
+        except psycopg.errors.UniqueViolation:
+            cursor.execute("ROLLBACK TO SAVEPOINT undertow_copy")
+            return False
+        cursor.execute("RELEASE SAVEPOINT undertow_copy")
+        return True
+    except codec.error as exc:  # raised as SQLAlchemy would (connection lost, ...)
+        raise DBAPIError.instance("COPY", None, exc, codec.error) from exc
+    finally:
+        cursor.close()
 
 
 def write_dead_letters(session: Session, letters: Sequence[DeadLetter], created_at: datetime | None = None) -> int:
@@ -346,7 +468,7 @@ def write_dead_letters(session: Session, letters: Sequence[DeadLetter], created_
                 "key": dl.key,
                 "value": dl.value,
                 "reason": dl.reason,
-                "detail": dl.detail[:4000],
+                "detail": no_nul(dl.detail[:4000]),  # PostgreSQL text cannot hold NUL
                 "created_at": created_at,
                 "replayed_at": None,
                 "replay_count": 0,
@@ -357,34 +479,41 @@ def write_dead_letters(session: Session, letters: Sequence[DeadLetter], created_
     return len(letters)
 
 
+_OFFSET_COLUMNS = ("group_id", "topic", "partition", "next_offset", "updated_at", "cluster_id")
+
+
+@cache
+def _offsets_upsert(mark: str, count: int) -> str:
+    """The upsert of ``count`` offset rows (the same SQL on SQLite and PostgreSQL)."""
+    names = ", ".join(f'"{c}"' for c in _OFFSET_COLUMNS)
+    row = "(" + ", ".join([mark] * len(_OFFSET_COLUMNS)) + ")"
+    updates = ", ".join(f'"{c}" = excluded."{c}"' for c in ("next_offset", "updated_at", "cluster_id"))
+    return (
+        f'INSERT INTO "{_OFFSETS.name}" ({names}) VALUES {", ".join([row] * count)} '
+        f'ON CONFLICT ("group_id", "topic", "partition") DO UPDATE SET {updates}'
+    )
+
+
 def store_offsets(
     session: Session, group_id: str, offsets: Mapping[tuple[str, int], int], cluster_id: str | None = None
 ) -> None:
-    """Upsert the next offset to read per ``(topic, partition)`` for ``group_id`` (on ``cluster_id``'s log)."""
+    """Upsert the next offset to read per ``(topic, partition)`` for ``group_id`` (on ``cluster_id``'s log).
+
+    One statement through the driver, rows in key order (two writers lock them in the same order).
+    """
     if not offsets:
         return
-    now = datetime.now(UTC)
-    rows = [
-        {
-            "group_id": group_id,
-            "topic": t,
-            "partition": p,
-            "next_offset": o,
-            "updated_at": now,
-            "cluster_id": cluster_id,
-        }
-        for (t, p), o in offsets.items()
-    ]
-    stmt = _insert(session, _OFFSETS)
-    stmt = stmt.on_conflict_do_update(
-        index_elements=["group_id", "topic", "partition"],
-        set_={
-            "next_offset": stmt.excluded.next_offset,
-            "updated_at": stmt.excluded.updated_at,
-            "cluster_id": stmt.excluded.cluster_id,
-        },
-    )
-    session.execute(stmt, rows)
+    codec = _codec(session)
+    now = codec.ts(datetime.now(UTC))
+    params = [v for (t, p), o in sorted(offsets.items()) for v in (group_id, t, p, o, now, cluster_id)]
+    statement = _offsets_upsert(codec.mark, len(offsets))
+    cursor = _cursor(session)
+    try:
+        cursor.execute(statement, params)
+    except codec.error as exc:  # raised as SQLAlchemy would (locked, connection lost, ...)
+        raise DBAPIError.instance(statement, None, exc, codec.error) from exc
+    finally:
+        cursor.close()
 
 
 def load_offsets(session: Session, group_id: str, topic: str, cluster_id: str | None = None) -> dict[int, int]:

@@ -1,8 +1,9 @@
 """Prometheus ``/metrics``: gauges read from the database at scrape time.
 
 A custom collector on a registry of the app's own (never the global one, so several apps can
-live in one process): ingest lag and rate, stored events and dead letters, job states, borrowed
-replicas and rollout state. Each scrape costs a handful of indexed queries.
+live in one process): ingest lag and rate, stored events and dead letters, batches the consumer
+could not read, job states, borrowed replicas and rollout state. Each scrape costs a handful of
+indexed queries.
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 from sqlalchemy.engine import Engine
 
 from ingest.db import session_factory
 from ingest.tables import DeadLetterRow, SessionRow, SignalRow
+from ingest.unreadable import CODEC_UNAVAILABLE, CORRUPT_BATCH, held_counts
 from scheduler.api import queue, sources
 
 
@@ -74,6 +76,24 @@ class UndertowCollector(Collector):
             ):
                 dead.add_metric([reason], count)
             yield dead
+
+            by_reason, held = held_counts(session)
+            unreadable = CounterMetricFamily(
+                "undertow_ingest_unreadable_batches",
+                "Failed reads of batches the consumer could not read (codec library missing, corrupt), by reason.",
+                labels=["reason"],
+            )
+            for reason in sorted({CODEC_UNAVAILABLE, CORRUPT_BATCH, *by_reason}):  # 0 before any: alerts can rate()
+                unreadable.add_metric([reason], by_reason.get(reason, 0))
+            yield unreadable
+            waiting = GaugeMetricFamily(
+                "undertow_ingest_held_partitions",
+                "1 for each partition held at a batch that could not be read (see `undertow stats --json`).",
+                labels=["group", "topic", "partition", "reason"],
+            )
+            for row in held:
+                waiting.add_metric([row.group_id, row.topic, str(row.partition), row.reason], 1)
+            yield waiting
 
             jobs = GaugeMetricFamily("undertow_jobs", "Jobs by kind and state.", labels=["kind", "state"])
             for (kind, state), count in queue.job_state_counts(session).items():

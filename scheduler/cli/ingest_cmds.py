@@ -7,14 +7,30 @@ import typer
 dlq_app = typer.Typer(help="Dead letters: list what was rejected and why; replay after a fix.", no_args_is_help=True)
 
 
+UNREADABLE_EXIT = 3
+"""``undertow ingest --once``'s exit status when partitions wait at batches it could not read."""
+
+
 def ingest(
-    once: bool = typer.Option(False, "--once", help="Exit 0 once caught up with the end of every partition."),
+    once: bool = typer.Option(
+        False,
+        "--once",
+        help="Exit 0 once caught up with the end of every partition. A partition held at a batch that "
+        "cannot be read (codec library missing, corrupt) is not retried: the others are caught up, "
+        f"then exit {UNREADABLE_EXIT}.",
+    ),
     assign: bool = typer.Option(
         False, "--assign", help="Read every partition without joining the consumer group (implied by --once)."
     ),
     max_seconds: float | None = typer.Option(None, help="Stop after this many seconds (default: run until SIGTERM)."),
 ) -> None:
-    """Consume telemetry from Kafka into the database (idempotent; commits after each batch)."""
+    """Consume telemetry from Kafka into the database (idempotent; commits after each batch).
+
+    SIGTERM or SIGINT: the batches in hand are committed, then it exits 0. A batch that cannot be read
+    (its codec's library missing, or corrupt) holds its partition at that offset, is logged with what to
+    do and shown by `undertow stats --json`; it is read again after a back-off (1 s doubling to 30 s by
+    default) while the other partitions flow.
+    """
     from ingest.consumer import IngestConsumer, UnreadableBatches
     from scheduler.cli.common import print_json, setup
     from scheduler.runtime import open_database, require_bootstrap
@@ -26,12 +42,15 @@ def ingest(
         engine, bootstrap, settings.kafka, settings.ingest, mode="assign" if (once or assign) else "group"
     )
     consumer.install_signal_handlers()
+    counts = ("records", "stored", "duplicates", "dead_letters", "batches", "db_retries")
     try:
         stats = consumer.run(once=once, max_seconds=max_seconds)
     except UnreadableBatches as exc:
-        raise SystemExit(f"ingest stopped: {exc}") from exc
+        if once:
+            print_json({key: getattr(consumer.stats, key) for key in counts})
+        typer.echo(f"ingest stopped: {exc}", err=True)
+        raise typer.Exit(UNREADABLE_EXIT) from exc
     if once:
-        counts = ("records", "stored", "duplicates", "dead_letters", "batches", "db_retries")
         print_json({key: getattr(stats, key) for key in counts})
 
 

@@ -7,10 +7,17 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy import func, select
+
 from ingest.config import KafkaConfig
+from ingest.db import transaction
+from ingest.producer import TelemetryProducer
+from ingest.tables import DuplicateRow, SessionRow, SignalRow
 
 
 def session_event(i: int, **over: Any) -> dict[str, Any]:
@@ -179,3 +186,97 @@ def last_json(out: str) -> Any:
     lines = [line for line in out.strip().splitlines() if line.strip()]
     assert len(lines) == 1, f"expected exactly one line on stdout, got {out!r}"
     return json.loads(lines[-1])
+
+
+def stored_ids(engine: Any) -> list[str]:
+    with transaction(engine) as s:
+        return list(s.scalars(select(SessionRow.event_id))) + list(s.scalars(select(SignalRow.event_id)))
+
+
+def stored_count(engine: Any) -> int:
+    with transaction(engine) as s:
+        return int(s.scalar(select(func.count()).select_from(SessionRow)) or 0) + int(
+            s.scalar(select(func.count()).select_from(SignalRow)) or 0
+        )
+
+
+def duplicate_count(engine: Any) -> int:
+    with transaction(engine) as s:
+        return int(s.scalar(select(func.count()).select_from(DuplicateRow)) or 0)
+
+
+def produce_in_background(
+    bootstrap: str, topic: str, events: list[dict[str, Any]], rate: float, client: str = "kafka-python"
+) -> threading.Thread:
+    """Send ``events`` at about ``rate`` per second from a thread (acks=all, every send checked), with
+    kafka-python (the project's producer) or librdkafka (idempotent, lz4-compressed, with headers)."""
+
+    def run() -> None:
+        if client == "librdkafka":
+            run_librdkafka()
+            return
+        with TelemetryProducer(bootstrap, topic) as producer:
+            started = time.monotonic()
+            futures = []
+            for i, ev in enumerate(events):
+                futures.append(producer.send(ev))
+                ahead = i / rate - (time.monotonic() - started)
+                if ahead > 0:
+                    time.sleep(ahead)
+            producer.flush()
+            for fut in futures:
+                fut.get(timeout=60)
+
+    def run_librdkafka() -> None:
+        from confluent_kafka import Producer
+
+        failed: list[Any] = []
+        producer = Producer(
+            {"bootstrap.servers": bootstrap, "enable.idempotence": True, "compression.type": "lz4", "linger.ms": 20}
+        )
+        started = time.monotonic()
+        for i, ev in enumerate(events):
+            headers = [("source", b"editor-plugin"), ("trace-id", str(i).encode())]
+            producer.produce(
+                topic,
+                raw(ev),
+                key=(ev.get("session_id") or ev["event_id"]).encode(),
+                headers=headers,
+                on_delivery=lambda err, _msg: failed.append(err) if err else None,
+            )
+            producer.poll(0)
+            ahead = i / rate - (time.monotonic() - started)
+            if ahead > 0:
+                time.sleep(ahead)
+        assert producer.flush(60) == 0 and not failed
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def wait_for(predicate: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.2)
+
+
+def assert_exactly_once(engine: Any, events: list[dict[str, Any]]) -> None:
+    ids = stored_ids(engine)
+    assert len(ids) == len(set(ids))
+    assert set(ids) == {e["event_id"] for e in events}
+    assert duplicate_count(engine) == 0
+
+
+def start_ingest(env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    """``undertow ingest`` (group mode, until stopped) as a subprocess; its log appended to ``log_path``."""
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-c", "from scheduler.cli import main; main()", "ingest"],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+        )

@@ -99,6 +99,7 @@ def test_duplicates_and_early_signals(
     second = consume_once(engine, broker, kafka_cfg, ingest_cfg)
     assert (second.stored, second.duplicates, second.records) == (0, 2, 2)
     data = stats(engine)
+    assert data.pop("unreadable_batches")["count"] == 0
     assert data == {
         "events": {"session.completed": 1, "code.retained": 1, "edit.accepted": 1, "feedback.thumbs": 1},
         "sessions": 1,
@@ -268,3 +269,59 @@ def test_a_consumer_in_a_daemonic_process_writes_from_a_thread(sqlite_url: str) 
         assert out.get(timeout=60) == expected
         child.join(30)
         assert child.exitcode == 0
+
+
+def test_a_nul_in_an_identifier_is_a_dead_letter_not_a_failed_batch(
+    engine: Any, broker: Any, kafka_cfg: KafkaConfig, ingest_cfg: IngestConfig, producer: Any
+) -> None:
+    """PostgreSQL cannot store NUL in text: an id holding one used to fail its whole batch there, forever.
+    The contract refuses NUL in identifiers, so on both databases the event is a dead letter that names
+    the field, and its batch-mates are stored (NUL in free text is kept: see the writer's test)."""
+    nul_user = session_event(30, user_id="user\x00one")
+    nul_session = signal_event("th-nul", "feedback.thumbs", "sess\x00x", {"value": 1})
+    nul_finish = session_event(31)
+    nul_finish["payload"]["finish_reason"] = "st\x00p"
+    nul_text = session_event(32)
+    nul_text["payload"]["prompt"]["text"] = "a\x00b"
+    good = [session_event(33), nul_text]
+    for event in (good[0], nul_user, nul_session, nul_finish, nul_text):
+        producer.send_raw(raw(event), key=b"one-partition")  # one batch, one transaction
+    producer.flush()
+    result = consume_once(engine, broker, kafka_cfg, ingest_cfg)
+    assert (result.stored, result.dead_letters) == (len(good), 3)
+    letters = list_dead_letters(engine)
+    assert sorted(d["reason"] for d in letters) == ["validation_error"] * 3
+    assert all("NUL" in d["detail"] for d in letters), [d["detail"] for d in letters]
+    with transaction(engine) as s:
+        assert set(s.scalars(select(SessionRow.event_id))) == {e["event_id"] for e in good}
+    engine.dispose()
+
+
+def test_batches_in_flight_together_store_a_key_once(engine: Any) -> None:
+    """The process writer has several batches in flight (on PostgreSQL two are written at once, each in
+    its own transaction). A session re-sent under a fresh event id in the next batch, and an event
+    delivered again in the one after, are duplicates there: every key stored once, offsets in order."""
+    from ingest.batches import BatchContext, ProcessWriter
+    from ingest.writer import load_offsets
+
+    def record(offset: int, event: dict[str, Any]) -> tuple[str, int, int, None, bytes]:
+        return ("t", 0, offset, None, raw(event))
+
+    thumbs = signal_event("th-9", "feedback.thumbs", "sess-7-40", {"value": 1})
+    batches = [
+        [record(0, session_event(40))],
+        [record(1, session_event(40, event_id="resent")), record(2, thumbs)],
+        [record(3, thumbs), record(4, session_event(41))],
+    ]
+    writer = ProcessWriter(engine, BatchContext("g", 1 << 20, 0.05, 0.1), threading.Event(), lambda *a: None)
+    try:
+        pending = [writer.submit(b, {("t", 0): b[-1][2] + 1}, None) for b in batches]  # all in flight at once
+        results = [p.result() for p in pending]
+    finally:
+        writer.close()
+    assert [(r.result.stored, r.result.duplicates) for r in results if r] == [(1, 0), (1, 1), (1, 1)]
+    assert results[1] is not None and results[1].result.duplicate_ids == ["resent"]
+    with transaction(engine) as s:
+        assert set(s.scalars(select(SessionRow.event_id))) == {"ev-7-40", "ev-7-41"}
+        assert list(s.scalars(select(SignalRow.event_id))) == ["th-9"]
+        assert load_offsets(s, "g", "t") == {0: 5}

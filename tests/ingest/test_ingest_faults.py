@@ -17,99 +17,24 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ingest_helpers import TcpProxy, raw, stream_events
-from sqlalchemy import event, func, select, text
+from ingest_helpers import (
+    TcpProxy,
+    assert_exactly_once,
+    produce_in_background,
+    stored_count,
+    stored_ids,
+    stream_events,
+    wait_for,
+)
+from sqlalchemy import event, select, text
 
 from ingest.config import IngestConfig, KafkaConfig
 from ingest.consumer import IngestConsumer
 from ingest.db import make_engine, transaction, upgrade
 from ingest.embedded import create_topics
-from ingest.producer import TelemetryProducer
-from ingest.tables import DuplicateRow, SessionRow, SignalRow
+from ingest.tables import DuplicateRow
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def stored_ids(engine: Any) -> list[str]:
-    with transaction(engine) as s:
-        return list(s.scalars(select(SessionRow.event_id))) + list(s.scalars(select(SignalRow.event_id)))
-
-
-def stored_count(engine: Any) -> int:
-    with transaction(engine) as s:
-        return int(s.scalar(select(func.count()).select_from(SessionRow)) or 0) + int(
-            s.scalar(select(func.count()).select_from(SignalRow)) or 0
-        )
-
-
-def duplicate_count(engine: Any) -> int:
-    with transaction(engine) as s:
-        return int(s.scalar(select(func.count()).select_from(DuplicateRow)) or 0)
-
-
-def produce_in_background(
-    bootstrap: str, topic: str, events: list[dict[str, Any]], rate: float, client: str = "kafka-python"
-) -> threading.Thread:
-    """Send ``events`` at about ``rate`` per second from a thread (acks=all, every send checked), with
-    kafka-python (the project's producer) or librdkafka (idempotent, lz4-compressed, with headers)."""
-
-    def run() -> None:
-        if client == "librdkafka":
-            run_librdkafka()
-            return
-        with TelemetryProducer(bootstrap, topic) as producer:
-            started = time.monotonic()
-            futures = []
-            for i, ev in enumerate(events):
-                futures.append(producer.send(ev))
-                ahead = i / rate - (time.monotonic() - started)
-                if ahead > 0:
-                    time.sleep(ahead)
-            producer.flush()
-            for fut in futures:
-                fut.get(timeout=60)
-
-    def run_librdkafka() -> None:
-        from confluent_kafka import Producer
-
-        failed: list[Any] = []
-        producer = Producer(
-            {"bootstrap.servers": bootstrap, "enable.idempotence": True, "compression.type": "lz4", "linger.ms": 20}
-        )
-        started = time.monotonic()
-        for i, ev in enumerate(events):
-            headers = [("source", b"editor-plugin"), ("trace-id", str(i).encode())]
-            producer.produce(
-                topic,
-                raw(ev),
-                key=(ev.get("session_id") or ev["event_id"]).encode(),
-                headers=headers,
-                on_delivery=lambda err, _msg: failed.append(err) if err else None,
-            )
-            producer.poll(0)
-            ahead = i / rate - (time.monotonic() - started)
-            if ahead > 0:
-                time.sleep(ahead)
-        assert producer.flush(60) == 0 and not failed
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
-
-
-def wait_for(predicate: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.2)
-
-
-def assert_exactly_once(engine: Any, events: list[dict[str, Any]]) -> None:
-    ids = stored_ids(engine)
-    assert len(ids) == len(set(ids))
-    assert set(ids) == {e["event_id"] for e in events}
-    assert duplicate_count(engine) == 0
 
 
 @pytest.mark.slow

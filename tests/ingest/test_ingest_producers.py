@@ -43,51 +43,16 @@ def test_ingest_reads_compressed_batches_from_librdkafka(
     assert done.returncode == 0, done.stderr[-2000:]
     assert last_json(done.stdout)["records"] == len(events) + 2
     stats = last_json(undertow(["stats", "--json"], env).stdout)
-    assert stats == {
+    assert {key: stats[key] for key in ("events", "sessions", "duplicates", "dead_letters")} == {
         "events": {"session.completed": len(events)},
         "sessions": len(events),
         "duplicates": 1,
         "dead_letters": 1,
     }
+    assert stats["unreadable_batches"]["count"] == 0
     letters = last_json(undertow(["dlq", "list", "--json"], env).stdout)["dead_letters"]
     assert [d["reason"] for d in letters] == ["invalid_json"]
     json.dumps(letters)
-
-
-def test_a_codec_without_its_library_stops_ingest_with_a_clear_error_and_loses_nothing(
-    tmp_path: Path, broker: Any, kafka_cfg: KafkaConfig
-) -> None:
-    """The reader lacks snappy (as on a machine without python-snappy): ingest used to retry forever
-    inside the Kafka client, at full CPU and deaf to SIGTERM. It now stops at once, says what to
-    install, and commits nothing past what it stored; with the library back, every event is stored."""
-    import subprocess
-    import sys
-
-    from confluent_kafka import Producer
-
-    from ingest.embedded import create_topics
-
-    create_topics(broker.bootstrap, {kafka_cfg.topic: kafka_cfg.partitions, kafka_cfg.dlq_topic: 1})
-    producer = Producer({"bootstrap.servers": broker.bootstrap, "compression.type": "snappy", "linger.ms": 20})
-    events = [session_event(i) for i in range(12)]
-    for event in events:
-        producer.produce(kafka_cfg.topic, raw(event), key=event["session_id"].encode())
-    assert producer.flush(30) == 0
-    env = cli_env(tmp_path, broker.bootstrap, kafka_cfg)
-    without_snappy = "import sys; sys.modules['snappy'] = None; from scheduler.cli import main; main()"
-    blind = subprocess.run(
-        [sys.executable, "-c", without_snappy, "ingest", "--once"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert blind.returncode != 0
-    assert "cannot decode" in blind.stderr and "snappy" in blind.stderr and "python-snappy" in blind.stderr
-    assert last_json(undertow(["stats", "--json"], env).stdout)["sessions"] == 0
-    fixed = undertow(["ingest", "--once"], env, timeout=180)
-    assert fixed.returncode == 0, fixed.stderr[-2000:]
-    assert last_json(undertow(["stats", "--json"], env).stdout)["sessions"] == len(events)
 
 
 def test_records_of_an_aborted_transaction_are_never_stored(
@@ -120,6 +85,7 @@ def test_records_of_an_aborted_transaction_are_never_stored(
     done = undertow(["ingest", "--once"], env, timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
     stats = last_json(undertow(["stats", "--json"], env).stdout)
+    del stats["unreadable_batches"]
     assert stats == {
         "events": {"session.completed": len(committed)},
         "sessions": len(committed),

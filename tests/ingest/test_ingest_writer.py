@@ -6,6 +6,7 @@ import threading
 from typing import Any
 
 import numpy as np
+import pytest
 from ingest_helpers import raw, session_event, signal_event
 from sqlalchemy import func, select
 
@@ -49,6 +50,28 @@ def test_same_session_under_a_new_event_id_is_a_duplicate(engine: Any) -> None:
     with transaction(engine) as s:
         result = write_events(s, [ev(session_event(1, event_id="third-id"))])
     assert (result.stored, result.duplicates) == (0, 1)
+
+
+def test_a_session_sent_again_under_a_new_id_does_not_cost_its_batch_mates(engine: Any) -> None:
+    """PostgreSQL writes a batch with COPY, which cannot skip a row: a session stored before under another
+    event id makes the batch fall back to inserts that skip conflicts. Its batch-mates are stored all the
+    same, with their segments, and only the re-sent session counts as a duplicate."""
+    with transaction(engine) as s:
+        write_events(s, [ev(session_event(1))])
+    batch = [
+        ev(session_event(1, event_id="again")),
+        ev(session_event(2)),
+        ev(signal_event("sig-9", "feedback.thumbs", "sess-7-2", {"value": -1})),
+    ]
+    with transaction(engine) as s:
+        result = write_events(s, batch)
+    assert (result.stored, result.duplicates, result.duplicate_ids) == (2, 1, ["again"])
+    with transaction(engine) as s:
+        assert set(s.scalars(select(SessionRow.event_id))) == {"ev-7-1", "ev-7-2"}
+        assert s.scalar(select(func.count()).where(SegmentRow.session_id == "sess-7-2")) == len(
+            session_event(2)["payload"]["segments"]
+        )
+        assert list(s.scalars(select(SignalRow.value))) == [-1.0]
 
 
 def test_session_columns_are_bit_exact(engine: Any) -> None:
@@ -135,6 +158,16 @@ def test_early_signals_join_when_the_session_arrives(engine: Any) -> None:
         "sessions": 1,
         "duplicates": 1,
         "dead_letters": 0,
+        "unreadable_batches": {
+            "count": 0,
+            "last_at": None,
+            "last_reason": None,
+            "last_topic": None,
+            "last_partition": None,
+            "last_offset": None,
+            "last_detail": None,
+            "held_partitions": [],
+        },
     }
 
 
@@ -212,3 +245,55 @@ def test_a_sampled_nul_character_is_stored_on_both_databases(engine: Any) -> Non
         assert [unpack_ids(seg.token_ids).tolist() for seg in segments] == [
             seg["token_ids"] for seg in event["payload"]["segments"]
         ]
+
+
+def test_the_copy_streams_are_the_bytes_psycopg_sends(engine: Any) -> None:
+    """PostgreSQL's batches go in as binary COPY streams built without a connection (:mod:`ingest.pgcopy`);
+    psycopg's own binary COPY of the same rows, on a live connection, gives the same bytes."""
+    if engine.dialect.name != "postgresql":
+        pytest.skip("binary COPY is PostgreSQL's")
+    from psycopg.copy import Copy, Writer
+    from psycopg.types.json import Json
+
+    from ingest.rows import codec_for
+    from ingest.writer import _COPY, copy_streams, new_rows, prepare_events
+
+    class Collect(Writer):
+        def __init__(self) -> None:
+            self.data = bytearray()
+
+        def write(self, data: Any) -> None:
+            self.data += data
+
+    full = session_event(5, user_id=None)
+    full["payload"].update(
+        routed_experts=npy_to_b64(np.arange(12, dtype=np.int32).reshape(2, 3, 2)),
+        group_id="grp-é",
+        candidate_index=3,
+        latency_ms=12.5,
+        finish_reason="stop",
+        sampling={"temperature": 0.7},
+    )
+    full["payload"]["prompt"]["text"] = "naïve – 日本\x00"
+    events = [
+        full,
+        session_event(6, occurred_at="1999-12-31T23:59:59.999999-05:00"),
+        signal_event("r9", "code.retained", "s9", {"horizon_s": 86400, "lines_written": 3, "lines_retained": 1}),
+        signal_event("u9", "user.churned", None, {"inactive_days": 2**31 - 1}),
+    ]
+    prepared = prepare_events(codec_for("postgresql"), [ev(e) for e in events])
+    rows = new_rows(prepared.first, set())
+    streams = copy_streams(rows)
+    assert prepared.copied is not None and prepared.copied[1] == streams
+    assert set(streams) == {"sessions", "session_segments", "signals"}
+    expected_rows = {"sessions": rows.sessions, "session_segments": rows.segment_rows(), "signals": rows.signals}
+    with engine.connect() as conn:
+        cursor = conn.connection.driver_connection.cursor()
+        for name, table_rows in expected_rows.items():
+            types = _COPY[name].types
+            writer = Collect()
+            with Copy(cursor, binary=True, writer=writer) as copy:
+                copy.set_types(types)
+                for row in table_rows:  # psycopg would dump a str for a json column as a JSON string: wrap it
+                    copy.write_row([Json(v, dumps=str) if t == "json" else v for v, t in zip(row, types, strict=True)])
+            assert streams[name] == bytes(writer.data), name
