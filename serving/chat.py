@@ -36,9 +36,7 @@ def message_dicts(request: ChatCompletionRequest) -> list[dict[str, Any]]:
     """The messages as the chat template takes them (content as one string)."""
     out: list[dict[str, Any]] = []
     for message in request.messages:
-        item: dict[str, Any] = {"role": message.role, "content": message.content and message.text()}
-        if message.role == "assistant" and message.content is None:
-            item["content"] = None
+        item: dict[str, Any] = {"role": message.role, "content": None if message.content is None else message.text()}
         if message.tool_calls:
             item["tool_calls"] = [call.model_dump() for call in message.tool_calls]
         if message.tool_call_id:

@@ -360,6 +360,7 @@ class Gateway:
     async def _relay(
         self, stream: relay.Relay, first: bytes | None, req: turns.Request, k: int, rep: Replica, start: float
     ) -> AsyncIterator[bytes]:
+        broken = False
         try:
             if first is not None:
                 yield first
@@ -367,12 +368,13 @@ class Gateway:
                 async for chunk in stream.rest():
                     yield chunk
         except httpx.TransportError:
+            broken = True
             self.stats[req.version].errors += 1
             self.errors["EngineStreamBroken"] += 1
             yield STREAM_BROKEN
         finally:
             self.inflight[rep.id] -= 1
-            if not stream.finished:
+            if not stream.finished and not broken:
                 self.errors["ClientAbandonedStream"] += 1
             served = await stream.close()
             req.latency_ms = (time.perf_counter() - start) * 1000

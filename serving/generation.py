@@ -83,7 +83,7 @@ class Job:
             return "tool_calls"
         return sample_reason
 
-    def markers(self, tokenizer: Any) -> list[str]:
+    def markers(self) -> list[str]:
         """Strings the stream holds text back for."""
         return self.params.stop + ([TOOL_CALL_START] if self.tool_mode == "auto" else [])
 
@@ -189,7 +189,7 @@ class _TextFilter:
     def __init__(self, tokenizer: Any, job: Job) -> None:
         self.tokenizer = tokenizer
         self.stops = [s for s in job.params.stop if s]
-        self.markers = [m for m in job.markers(tokenizer) if m]
+        self.markers = [m for m in job.markers() if m]
         self.silent = job.tool_mode in ("named", "required")
         self.auto_tools = job.tool_mode == "auto"
         self.ids: list[int] = []
