@@ -522,8 +522,8 @@ class IngestConsumer:
 
 def fetch_options(bootstrap: str, kafka: KafkaConfig, ingest: IngestConfig) -> dict[str, Any]:
     """``KafkaConsumer`` options for how the consumer fetches (shared with the benchmark's baseline)."""
-    # Small fetches keep kafka-python's network thread from holding the GIL for long stretches;
-    # a record larger than the limit still arrives (brokers return the first batch whole).
+    # Records are decoded in the polling thread, as polls take them, not when a fetch arrives; a record
+    # larger than the limit still arrives (brokers return the first batch whole).
     fetch_bytes = ingest.fetch_partition_bytes
     return {
         "bootstrap_servers": bootstrap,

@@ -43,7 +43,10 @@ _FIELD_CODE = {
     "int4": "append(int4(4, {v}))",
     "int8": "append(int8(8, {v}))",
     "float8": "append(float8(8, {v}))",
-    "timestamptz": "append(int8(8, ({v} - epoch) // microsecond))",
+    "timestamptz": (  # the batch's received_at is one object in every row: converted once
+        "if {v} is not last_ts: last_ts = {v}; last_ts_bytes = int8(8, ({v} - epoch) // microsecond)\n"
+        "            append(last_ts_bytes)"
+    ),
     "json": "data = {v}.encode(); append(length(len(data))); append(data)",  # JSON text (:mod:`ingest.rows`)
 }
 """How one non-NULL value ``{v}`` is appended: its length, then its binary form."""
@@ -107,6 +110,7 @@ class RowEncoder:
             "def encode(rows):",
             "    parts = [signature]",
             "    append = parts.append",
+            "    last_ts = last_ts_bytes = None",
             "    for row in rows:",
             f"        {', '.join(values)}, = row",
             "        append(fields)",

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import io
 import json
 import re
@@ -193,16 +194,26 @@ _NPY_HEADER = re.compile(
 )
 
 
+@functools.lru_cache(maxsize=4096)
+def _npy_payload_bytes(header: bytes) -> int | None:
+    """The payload size a ``.npy`` header numpy writes (version 1.0) announces; None for another header.
+    Cached: one model's headers differ only in the number of tokens."""
+    match = _NPY_HEADER.fullmatch(header)
+    if match is None:
+        return None
+    itemsize, rows, layers, top_k = (int(g) for g in match.groups()[2:])
+    return itemsize * rows * layers * top_k
+
+
 def _npy_fast_ok(raw: bytes) -> bool:
     """Check the header numpy itself writes (version 1.0) without building the array."""
     if raw[:8] != b"\x93NUMPY\x01\x00" or len(raw) < 10:
         return False
     header_len = int.from_bytes(raw[8:10], "little")
-    match = _NPY_HEADER.fullmatch(raw[10 : 10 + header_len])
-    if match is None:
+    if header_len > 240:  # numpy pads its header to 118 bytes; a longer one is loaded (and the cache stays small)
         return False
-    itemsize, rows, layers, top_k = (int(g) for g in match.groups()[2:])
-    return len(raw) - 10 - header_len == itemsize * rows * layers * top_k
+    size = _npy_payload_bytes(raw[10 : 10 + header_len])
+    return size is not None and len(raw) - 10 - header_len == size
 
 
 def routed_experts_npy(text: str) -> bytes:

@@ -5,7 +5,9 @@ Token ids are stored as little-endian int32 bytes, logprobs as float64 bytes (bi
 what the engine returned) and routed experts as the raw ``.npy`` bytes vLLM sent (decoded from
 base64): compact, and loaded straight into NumPy with :mod:`ingest.arrays`.
 Signals keep no foreign key to sessions: they may arrive before their session, and are joined
-by ``session_id`` whenever it arrives. Only columns that queries filter, join or group by are
+by ``session_id`` whenever it arrives. Segments keep none either (migration ``ingest_0005``): the
+writer stores a session and its segments in one transaction, and nothing else writes them; the
+check cost a query per segment row at every insert. Only columns that queries filter, join or group by are
 indexed (each index costs every insert). On PostgreSQL the indexed identifiers compare by bytes
 (``COLLATE "C"``) and the binary columns compress with lz4 (migration ``ingest_0003``).
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Float, ForeignKey, Integer, LargeBinary, String, Text
+from sqlalchemy import JSON, BigInteger, Float, Integer, LargeBinary, String, Text
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
 from ingest.db import Base, UTCDateTime
@@ -51,7 +53,10 @@ class SessionRow(Base):
     """Sampling parameters, files, and unknown payload fields, kept as sent."""
 
     segments: Mapped[list[SegmentRow]] = relationship(
-        back_populates="session", order_by="SegmentRow.idx", cascade="all, delete-orphan"
+        back_populates="session",
+        order_by="SegmentRow.idx",
+        cascade="all, delete-orphan",
+        primaryjoin="SessionRow.session_id == foreign(SegmentRow.session_id)",
     )
 
 
@@ -60,16 +65,17 @@ class SegmentRow(Base):
 
     __tablename__ = "session_segments"
 
-    session_id: Mapped[str] = mapped_column(
-        String(ID_LEN), ForeignKey("sessions.session_id", ondelete="CASCADE"), primary_key=True
-    )
+    session_id: Mapped[str] = mapped_column(String(ID_LEN), primary_key=True)
+    """Its session's id (no foreign key: see the module docstring)."""
     idx: Mapped[int] = mapped_column(Integer, primary_key=True)
     role: Mapped[str] = mapped_column(String(16))
     text: Mapped[str | None] = mapped_column(Text)
     token_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
     logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)
 
-    session: Mapped[SessionRow] = relationship(back_populates="segments")
+    session: Mapped[SessionRow] = relationship(
+        back_populates="segments", primaryjoin="SessionRow.session_id == foreign(SegmentRow.session_id)"
+    )
 
 
 class SignalRow(Base):

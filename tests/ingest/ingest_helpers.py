@@ -12,12 +12,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import exists, func, select
 
 from ingest.config import KafkaConfig
 from ingest.db import transaction
 from ingest.producer import TelemetryProducer
-from ingest.tables import DuplicateRow, SessionRow, SignalRow
+from ingest.tables import DuplicateRow, SegmentRow, SessionRow, SignalRow
 
 
 def session_event(i: int, **over: Any) -> dict[str, Any]:
@@ -265,9 +265,30 @@ def wait_for(predicate: Any, timeout_s: float, what: str) -> None:
 
 def assert_exactly_once(engine: Any, events: list[dict[str, Any]]) -> None:
     ids = stored_ids(engine)
-    assert len(ids) == len(set(ids))
-    assert set(ids) == {e["event_id"] for e in events}
-    assert duplicate_count(engine) == 0
+    assert len(ids) == len(set(ids)), f"{len(ids) - len(set(ids))} events stored twice"
+    missing = {e["event_id"] for e in events} - set(ids)
+    assert not missing and len(ids) == len(events), f"{len(missing)} events missing, {len(ids)} stored of {len(events)}"
+    assert duplicate_count(engine) == 0, f"{duplicate_count(engine)} deliveries counted as duplicates"
+    assert_segments_whole(engine, events)
+
+
+def assert_segments_whole(engine: Any, events: list[dict[str, Any]]) -> None:
+    """Every stored session has each of its segments once, and no segment is without its session
+    (segments have no foreign key: the writer's transaction is what keeps them together)."""
+    sessions = [e for e in events if e.get("type") == "session.completed"]
+    with transaction(engine) as s:
+        orphans = s.scalar(
+            select(func.count())
+            .select_from(SegmentRow)
+            .where(~exists().where(SessionRow.session_id == SegmentRow.session_id))
+        )
+        per_session = dict(
+            s.execute(select(SegmentRow.session_id, func.count()).group_by(SegmentRow.session_id)).tuples().all()
+        )
+    assert orphans == 0, f"{orphans} segments without their session"
+    expected = {e["session_id"]: len(e["payload"]["segments"]) for e in sessions}
+    wrong = {sid: (per_session.get(sid), n) for sid, n in expected.items() if per_session.get(sid) != n}
+    assert not wrong and len(per_session) == len(expected), f"segments (stored, sent) per session: {wrong}"
 
 
 def start_ingest(env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
