@@ -45,7 +45,7 @@ class IngestConfig(BaseModel):
     fetch_partition_bytes: int = Field(default=1 << 20, ge=1 << 14)
     """Most bytes one fetch takes per partition (Kafka's own default, ``max.partition.fetch.bytes``). The client
     asks for the next fetch only once a poll has drained the last one, so the consumer waits on the broker once
-    per fetch: a quarter of this (the value before) had the consumer waiting on it for about a third of the PostgreSQL ingest."""
+    per fetch: with a quarter of this, the PostgreSQL ingest spent about a third of its time waiting."""
     create_topics: bool = True
     """Create the telemetry and dead-letter topics when missing (again after an embedded broker restart)."""
     topic_check_s: float = 2.0
