@@ -16,6 +16,7 @@ from scheduler.cli import (
     jobs_cmds,
     policy_cmds,
     rewards_cmds,
+    sandbox_cmds,
     serving_cmds,
     weights_cmds,
 )
@@ -37,6 +38,7 @@ for module in (
     serving_cmds,
     jobs_cmds,
     policy_cmds,
+    sandbox_cmds,
     api_cmds,
     demo_cmds,
 ):
