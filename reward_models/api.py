@@ -7,6 +7,10 @@
 - :func:`score_sessions`: score stored sessions by id -> ``{session_id: reward}``.
 - :func:`hacking_check`: the reward-hacking guard over the database (proxy vs real retention
   per policy version).
+- :func:`promotion_check`: the same guard for one promotion (a candidate policy version against
+  the version it would replace); the deployer and the promote action refuse a flagged candidate.
+- :func:`recent_scores`: the promoted version's scores on the newest sessions it was not trained
+  on, what :func:`reward_models.triggers.retrain_decision` checks for drift.
 
 Rewards are on the log-odds scale (higher is better; ``sigmoid`` gives a keep probability for
 the pointwise heads). The privileged model is never used here: it needs what the user kept.
@@ -16,17 +20,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import numpy as np
 import pandas as pd
 from sqlalchemy.engine import Engine
 
+from ingest.db import as_utc
 from reward_models import registry
 from reward_models.config import RewardsConfig
 from reward_models.data import SESSION_COLUMNS, load_sessions, load_signals, session_records
-from reward_models.guard import HackingReport, reward_hacking
+from reward_models.guard import HackingReport, promotion_guard, reward_hacking
 from reward_models.labels import retention_labels
 from reward_models.models import RewardBundle
 
@@ -122,3 +127,76 @@ def hacking_check(
         }
     )
     return reward_hacking(per_session, config)
+
+
+def _proxy_and_real(
+    engine: Engine, config: RewardsConfig, sessions: pd.DataFrame, version: str, now: datetime
+) -> pd.DataFrame:
+    """Rows ``policy_version, proxy, real, order`` of the sessions with a final retention label."""
+    labels, _ = retention_labels(sessions, load_signals(engine, types=["code.retained"]), config, now)
+    frame = sessions.set_index("session_id").join(labels)
+    frame = frame[frame["retention_final"].fillna(False).astype(bool)]
+    if frame.empty:
+        return pd.DataFrame(columns=["policy_version", "proxy", "real", "order"])
+    proxy = load_scorer(engine, version).score(frame.reset_index())
+    return pd.DataFrame(
+        {
+            "policy_version": frame["policy_version"].to_numpy(),
+            "proxy": proxy,
+            "real": frame["retention"].to_numpy(),
+            "order": frame["occurred_at"].to_numpy(),
+        }
+    )
+
+
+def promotion_check(
+    engine: Engine,
+    config: RewardsConfig,
+    *,
+    candidate: str,
+    incumbent: str,
+    version: str = "latest",
+    now: datetime | None = None,
+) -> HackingReport:
+    """The reward-hacking guard for promoting policy ``candidate`` over ``incumbent``.
+
+    Proxy: the reward model ``version``'s score of each version's sessions; real: their final
+    retention. Not flagged (and saying why) when no reward model is promoted, or when either
+    version has fewer than ``guard_min_sessions`` sessions with a final retention label.
+    """
+    if candidate == incumbent:
+        return HackingReport(False, f"{candidate} is the version the pool serves; nothing to compare")
+    if version == "latest" and registry.current_promoted(engine) is None:
+        return HackingReport(False, "no promoted reward model: the reward-hacking guard cannot judge, not blocking")
+    now = now or datetime.now(UTC)
+    sessions = load_sessions(engine, until=now)
+    sessions = sessions[sessions["policy_version"].isin([candidate, incumbent])] if not sessions.empty else sessions
+    per_session = (
+        _proxy_and_real(engine, config, sessions.reset_index(drop=True), version, now)
+        if not sessions.empty
+        else pd.DataFrame(columns=["policy_version", "proxy", "real", "order"])
+    )
+    return promotion_guard(per_session, config, incumbent=incumbent, candidate=candidate)
+
+
+def recent_scores(engine: Engine, config: RewardsConfig, *, now: datetime | None = None) -> np.ndarray | None:
+    """The promoted version's scores on the newest ``drift_recent_sessions`` sessions of the last
+    ``drift_window_s`` that occurred after its training window (those it has not seen); None when no
+    version is promoted."""
+    current = registry.current_promoted(engine)
+    if current is None:
+        return None
+    now = now or datetime.now(UTC)
+    since = now - timedelta(seconds=config.drift_window_s)
+    if current.window_end is not None:
+        since = max(since, as_utc(current.window_end))
+    sessions = load_sessions(engine, since=since, until=now)
+    if current.window_end is not None and not sessions.empty:
+        end = pd.Timestamp(current.window_end)
+        end = end.tz_localize("UTC") if end.tzinfo is None else end
+        occurred = pd.to_datetime(sessions["occurred_at"], utc=True)
+        sessions = sessions[occurred > end]
+    sessions = sessions.tail(config.drift_recent_sessions)
+    if sessions.empty:
+        return np.zeros(0)
+    return Scorer(current.version, registry.load_bundle(current)).score(sessions.reset_index(drop=True))

@@ -116,9 +116,16 @@ class RewardsConfig(BaseModel):
     """Also flag drift when a two-sample KS test rejects equality at this p-value."""
     drift_min_samples: int = Field(default=50, ge=5)
     """Fewest recent scores needed before drift is measured."""
+    drift_recent_sessions: int = Field(default=2000, ge=5)
+    """Drift trigger: the promoted version scores at most this many of the newest sessions it was not trained on."""
+    drift_window_s: int = Field(default=86400, gt=0)
+    """Drift trigger: only sessions that occurred within this many seconds before now count as recent."""
     hacking_proxy_rise: float = Field(default=0.05, ge=0)
     """Reward-hacking guard: proxy reward must rise by more than this across the window to count."""
     hacking_real_drop: float = Field(default=0.03, ge=0)
     """Reward-hacking guard: real retention must fall by more than this across the window to count."""
     hacking_window: int = Field(default=3, ge=2)
     """Reward-hacking guard: number of most recent policy versions compared."""
+    guard_min_sessions: int = Field(default=30, ge=1)
+    """Promotion guard: sessions with a final retention label each of the candidate and the incumbent needs
+    before the guard may refuse a promotion (fewer: the promotion is not blocked, and the message says so)."""

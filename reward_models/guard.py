@@ -69,3 +69,31 @@ def reward_hacking(per_session: pd.DataFrame, config: RewardsConfig) -> HackingR
     else:
         reason = f"no divergence from {first} to {last} (proxy {proxy_rise:+.3f}, retention {-real_drop:+.3f})"
     return HackingReport(flagged, reason, proxy_rise, real_drop, versions)
+
+
+def promotion_guard(
+    per_session: pd.DataFrame, config: RewardsConfig, *, incumbent: str, candidate: str
+) -> HackingReport:
+    """The guard applied to one promotion: ``candidate`` against the ``incumbent`` it would replace.
+
+    ``per_session`` holds rows ``policy_version, proxy, real`` of the two versions. The incumbent
+    is read as the first version and the candidate as the last, so ``flagged`` means the candidate
+    raises the proxy reward by more than ``hacking_proxy_rise`` while lowering real retention by
+    more than ``hacking_real_drop``. With fewer than ``guard_min_sessions`` finite rows for either
+    version the guard cannot decide: the report is not flagged and its reason says so.
+    """
+    frame = per_session[per_session["policy_version"].isin([incumbent, candidate])].copy()
+    frame["proxy"] = pd.to_numeric(frame["proxy"], errors="coerce")
+    frame["real"] = pd.to_numeric(frame["real"], errors="coerce")
+    frame = frame[np.isfinite(frame["proxy"]) & np.isfinite(frame["real"])]
+    counts = frame["policy_version"].value_counts()
+    short = {v: int(counts.get(v, 0)) for v in (incumbent, candidate) if counts.get(v, 0) < config.guard_min_sessions}
+    if short:
+        have = ", ".join(f"{v}: {n}" for v, n in short.items())
+        return HackingReport(
+            False,
+            f"too little data to judge reward hacking, not blocking ({have} sessions with final retention, "
+            f"need {config.guard_min_sessions} per version)",
+        )
+    frame["order"] = (frame["policy_version"] == candidate).astype(int)
+    return reward_hacking(frame, config)

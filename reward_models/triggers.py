@@ -71,6 +71,11 @@ class RetrainDecision:
     reasons: list[str] = field(default_factory=list)
     details: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def drifted(self) -> bool:
+        """True when the recent scores drifted from the reference (one of the reasons)."""
+        return bool(self.details.get("drift", {}).get("drifted"))
+
 
 def new_labels_since(engine: Engine, since: datetime | None) -> int:
     """Distinct sessions with a label-bearing signal whose session occurred after ``since``."""

@@ -14,6 +14,14 @@ has served ``gate_min_requests``; a failed gate, or an update that fails, rolls 
 replica back (by the cheapest path: the reverse delta when the store has it, else the old
 snapshot) and leaves the pool's target where it was.
 
+The reward-hacking guard (``guard``, :func:`reward_models.api.promotion_check` in the scheduler)
+is one more gate: after a stage's online gate passes, and when an operator promotes a running
+rollout, the new version's sessions are compared with the old version's (reward-model score up
+while real retention down); a flagged version fails that stage and is rolled back like any failed
+gate, with the guard's reason in the stage and the deployment's message. A guard that has too
+little data to judge does not block; the message says so. An operator's forced promote
+(``force_promote``) skips the guard.
+
 Left out: traffic-share canaries (weighted routing to a canary); the canary here is whole
 replicas, which the balancer already shares traffic with.
 """
@@ -34,6 +42,7 @@ from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
 from ingest.db import transaction
+from reward_models.guard import HackingReport
 from serving import fleet
 from serving.client import EngineClient, EngineError
 from serving.config import DeployConfig, FleetConfig
@@ -44,6 +53,12 @@ log = structlog.get_logger(__name__)
 
 MetricsSource = Callable[[], Awaitable[dict[str, Any]]]
 """Returns ``{"versions": {version: {requests, errors, error_rate, latency_ms_p50, acceptance}}}``."""
+
+GuardCheck = Callable[[str, str], HackingReport]
+"""``(new version, old version)`` -> the reward-hacking guard's verdict on promoting the new one."""
+
+PROMOTED_BY_OPERATOR = "promoted by an operator"
+FORCED_BY_OPERATOR = "promoted by an operator (reward-hacking guard overridden)"
 
 
 def _now() -> datetime:
@@ -131,7 +146,9 @@ async def _wait_gate(
     while True:
         asked = beat()
         if asked == "promote":
-            return True, "promoted by an operator", {}
+            return True, PROMOTED_BY_OPERATOR, {}
+        if asked == "force_promote":
+            return True, FORCED_BY_OPERATOR, {}
         if asked == "rollback":
             return False, "rolled back by an operator", {}
         if metrics is None:
@@ -198,8 +215,11 @@ async def rollout(
     kind: str = "auto",
     metrics: MetricsSource | None = None,
     fleet_config: FleetConfig | None = None,
+    guard: GuardCheck | None = None,
 ) -> RolloutResult:
-    """Roll ``to_version`` out over ``pool`` (see module docstring); never raises for a failed stage."""
+    """Roll ``to_version`` out over ``pool`` (see module docstring); never raises for a failed stage.
+
+    ``guard``: the reward-hacking guard judged after every passed stage (None: no guard)."""
     start = time.perf_counter()
     overall: dict[str, float] = {"setup": 0.0, "gate": 0.0, "finish": 0.0}
     if fleet.recover_stale(db, config.stale_after_s, pool):
@@ -245,6 +265,7 @@ async def rollout(
     updated: list[fleet.Replica] = []
     done = 0
     failure = ""
+    guard_note = ""
     async with contextlib.AsyncExitStack() as stack:
         clients = {r.id: await stack.enter_async_context(EngineClient(r.url)) for r in replicas}
         pulls = _Pulls(to_version, kind, config.prefetch_concurrency, clients, result)
@@ -290,10 +311,24 @@ async def rollout(
                     )
                     overall["gate"] += time.perf_counter() - begin
                     stage["metrics"] = observed
-                    if why == "promoted by an operator":
+                    if why in (PROMOTED_BY_OPERATOR, FORCED_BY_OPERATOR):
                         metrics = None  # the remaining stages move without gates
+                    if why == FORCED_BY_OPERATOR:
+                        guard, guard_note = None, "reward-hacking guard overridden by an operator"
                     if not ok:
                         stage["outcome"], failure = "failed", f"{name}: gate failed: {why}"
+                    elif guard is not None:
+                        try:
+                            report = await asyncio.to_thread(guard, to_version, old_version)
+                        except Exception as exc:  # a broken reward model must not stop every deploy: say so
+                            log.warning("deploy.guard_error", deployment=dep_id, error=str(exc))
+                            why = f"could not run ({type(exc).__name__}: {exc}), not blocking"
+                            report = HackingReport(False, why)
+                        stage["metrics"] = {**observed, "guard": {"flagged": report.flagged, "reason": report.reason}}
+                        guard_note = f"reward-hacking guard: {report.reason}"
+                        if report.flagged:
+                            stage["outcome"] = "failed"
+                            failure = f"{name}: promotion refused by the reward-hacking guard: {report.reason}"
                 if not failure:
                     stage["outcome"] = "passed"
                 stage["finished_at"] = _now()
@@ -317,6 +352,8 @@ async def rollout(
         fleet.set_target(db, to_version, to_hash, pool)
         overall["finish"] += time.perf_counter() - begin
         result.status, result.message = "succeeded", f"{len(replicas)} replicas on {to_version}"
+        if guard_note:
+            result.message += f" ({guard_note})"
     begin = time.perf_counter()
     _record(db, dep_id, result)
     overall["finish"] += time.perf_counter() - begin
@@ -374,7 +411,10 @@ def _record(db: Engine, dep_id: int, result: RolloutResult) -> None:
     with transaction(db) as s:
         row = s.get(DeploymentRow, dep_id)
         assert row is not None
-        row.status, row.message, row.finished_at = result.status, result.message, _now()
+        # A promotion refused while the rollout ran (:mod:`serving.actions`) keeps its note after the outcome.
+        note = row.message
+        row.status, row.finished_at = result.status, _now()
+        row.message = f"{result.message}; {note}" if note else result.message
         for i, st in enumerate(result.stages):
             s.add(
                 DeploymentStageRow(

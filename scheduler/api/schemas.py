@@ -518,3 +518,17 @@ class ActionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"reason": "canary looks good"}]})
 
     reason: str = Field("", max_length=500, description="Free text recorded with the job and the audit entry.")
+
+
+class PromoteRequest(ActionRequest):
+    """Optional reason for a promotion, and ``force`` to override the reward-hacking guard (audited)."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={"examples": [{"reason": "canary looks good"}, {"reason": "x", "force": True}]},
+    )
+
+    force: bool = Field(
+        False,
+        description="Promote even when the reward-hacking guard flags the version (recorded in the audit entry).",
+    )

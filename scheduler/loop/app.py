@@ -10,7 +10,8 @@ the same database (``db+<url>``); a worker on it runs with ``--pool=solo`` and a
 takes about a second (polling). Production sets ``UNDERTOW_SCHEDULER__CELERY_BROKER_URL`` to a
 Redis (``redis://``) or RabbitMQ (``amqp://``) URL. Tasks acknowledge late (a task lost with its
 worker is not acknowledged), one message is prefetched at a time, and celery beat runs the
-capacity plan and the lease reaper every planning interval.
+capacity plan and the lease reaper every planning interval, and the reward-model retrain triggers
+(``undertow.check_retrain``) every ``retrain_check_interval_s``.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
                 "schedule": min(cfg.planning_interval_s, cfg.lease_ttl_s / 2),
             },
             "reap-jobs": {"task": "undertow.reap_jobs", "schedule": cfg.job_lost_after_s / 2},
+            "check-retrain": {"task": "undertow.check_retrain", "schedule": cfg.retrain_check_interval_s},
         },
     }
     if conf["broker_url"].startswith(("redis", "rediss", "sentinel")):

@@ -71,6 +71,22 @@ def create(engine: Engine, job_id: str, kind: str, state: dict[str, Any], steps:
             )
 
 
+def unfinished(engine: Engine, kind: str, newer_than_s: float) -> str | None:
+    """The id of a job of ``kind`` created in the last ``newer_than_s`` seconds that has not finished, if any."""
+    cutoff = _now() - timedelta(seconds=newer_than_s)
+    with engine.connect() as conn:
+        return conn.scalar(  # type: ignore[no-any-return]
+            select(JobRow.id)
+            .where(
+                JobRow.id == JobRow.chain_id,
+                JobRow.name == kind,
+                JobRow.state.in_(("PENDING", "STARTED", "RETRY", "PREEMPTED")),
+                JobRow.created_at >= cutoff,
+            )
+            .limit(1)
+        )
+
+
 def record(engine: Engine, task_id: str, **values: Any) -> None:
     """Insert or update the row of ``task_id`` (a step run outside a job gets a row of its own)."""
     with transaction(engine) as s:

@@ -47,7 +47,7 @@ JOB_STEPS: dict[str, tuple[Step, ...]] = {
 }
 """The steps a job of each kind runs, in order (a chain: a step runs only after the one before succeeded)."""
 
-PERIODIC_TASKS = ("undertow.plan_capacity", "undertow.reap_leases", "undertow.reap_jobs")
+PERIODIC_TASKS = ("undertow.plan_capacity", "undertow.reap_leases", "undertow.reap_jobs", "undertow.check_retrain")
 """Tasks celery beat runs on its own schedule (not part of any job)."""
 
 
@@ -133,7 +133,8 @@ class DeploymentOutcome(Model):
 
     deployment_id: int | None = None
     status: str
-    """``succeeded``, ``rolled_back``, ``failed``, ``promoted`` or ``unchanged`` (already there)."""
+    """``succeeded``, ``rolled_back`` (a failed gate, the reward-hacking guard included), ``failed``,
+    ``promoted`` or ``unchanged`` (already there)."""
     message: str = ""
     version: str
     """The version the deployment moved to (or tried to)."""

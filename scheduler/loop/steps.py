@@ -5,14 +5,18 @@ decides, :data:`scheduler.loop.state.JOB_STEPS`), and each is idempotent, so a s
 
 - ``collect``: what the database holds and the version the pool serves;
 - ``retrain``: :func:`reward_models.train.train_reward_models` on the job's window, when the
-  triggers (:func:`reward_models.triggers.retrain_decision`) say so or the job forces it;
+  triggers (:func:`reward_models.triggers.retrain_decision`, drift included: the promoted reward
+  model's scores on recent sessions, :func:`reward_models.api.recent_scores`) say so or the job
+  forces it;
 - ``rl_update`` lives in :mod:`scheduler.loop.tasks` (it borrows replicas and can be preempted);
 - ``snapshot``: :meth:`policy.weights.WeightStore.put`, a delta against the serving version (a
   version already stored is read back, not stored again);
 - ``rollout``: :func:`serving.deploy.rollout`, canary and gated stages on the gateway's online
-  metrics, rolled back by itself when a gate fails (a pool already on the version is left alone);
+  metrics and the reward-hacking guard (:func:`reward_models.api.promotion_check`), rolled back by
+  itself when a gate fails (a pool already on the version is left alone);
 - ``promote`` / ``rollback``: :func:`serving.actions.promote` / :func:`serving.actions.rollback` on
-  the job's deployment;
+  the job's deployment; a promotion the guard refuses fails the job with the guard's reason
+  (``force`` on the job overrides the guard);
 - ``evaluate``: the version's held-out metrics.
 """
 
@@ -28,9 +32,11 @@ from sqlalchemy import func, select
 from ingest.db import transaction
 from ingest.tables import DeadLetterRow, SessionRow, SignalRow
 from policy.weights import WeightStore, open_store
+from reward_models.api import promotion_check, recent_scores
+from reward_models.guard import HackingReport
 from reward_models.registry import PROMOTED, current_promoted, trained_by
 from reward_models.train import TrainingDataError, train_reward_models
-from reward_models.triggers import retrain_decision
+from reward_models.triggers import RetrainDecision, retrain_decision
 from scheduler.loop.state import DeploymentOutcome, IngestCounts, LoopState, RewardModelOutcome, SnapshotOutcome
 from serving import actions, deploy
 from serving.fleet import get_target
@@ -69,6 +75,23 @@ def collect(ctx: StepContext, state: LoopState) -> LoopState:
     return state.model_copy(update={"ingest": counts, "serving_version": _target(ctx.engine, state.pool)})
 
 
+def promotion_guard(ctx: StepContext) -> deploy.GuardCheck:
+    """The reward-hacking guard the deployer and the promote action judge a new version with."""
+
+    def check(candidate: str, incumbent: str) -> HackingReport:
+        return promotion_check(ctx.engine, ctx.settings.rewards, candidate=candidate, incumbent=incumbent)
+
+    return check
+
+
+def decide_retrain(ctx: StepContext) -> RetrainDecision:
+    """The retrain triggers, drift included: the promoted reward model scores the newest sessions it
+    was not trained on, and :func:`reward_models.triggers.retrain_decision` compares them with its reference."""
+    return retrain_decision(
+        ctx.engine, ctx.settings.rewards, recent_scores=recent_scores(ctx.engine, ctx.settings.rewards)
+    )
+
+
 def _promoted(engine: Engine, reasons: list[str]) -> RewardModelOutcome:
     row = current_promoted(engine)
     return RewardModelOutcome(
@@ -97,7 +120,7 @@ def retrain(ctx: StepContext, state: LoopState) -> LoopState:
         return state.model_copy(update={"reward_model": again})
     reasons = ["forced by the job"] if state.force else []
     if not state.force:
-        decision = retrain_decision(ctx.engine, ctx.settings.rewards)
+        decision = decide_retrain(ctx)
         if not decision.retrain:
             return state.model_copy(update={"reward_model": _promoted(ctx.engine, decision.reasons)})
         reasons = decision.reasons
@@ -188,6 +211,7 @@ def rollout(ctx: StepContext, state: LoopState) -> LoopState:
                 kind="auto",
                 metrics=_gateway_metrics(ctx.settings),
                 fleet_config=cfg.fleet,
+                guard=promotion_guard(ctx),
             )
         )
         outcome = DeploymentOutcome(
@@ -207,8 +231,13 @@ def _act(ctx: StepContext, state: LoopState, action: str) -> LoopState:
     if state.deployment_id is None or state.version is None:
         raise ValueError(f"{action} needs the deployment to act on and the version it leaves the pool on")
     cfg = ctx.settings.serving
-    run = actions.promote if action == "promote" else actions.rollback
-    result = asyncio.run(run(ctx.engine, state.deployment_id, cfg.deploy, cfg.fleet))
+    if action == "promote":
+        run = actions.promote(
+            ctx.engine, state.deployment_id, cfg.deploy, cfg.fleet, guard=promotion_guard(ctx), force=state.force
+        )
+    else:
+        run = actions.rollback(ctx.engine, state.deployment_id, cfg.deploy, cfg.fleet)
+    result = asyncio.run(run)
     outcome = DeploymentOutcome(
         deployment_id=result.follow_up or result.deployment_id,
         status=result.status if result.changed else "unchanged",
@@ -220,7 +249,8 @@ def _act(ctx: StepContext, state: LoopState, action: str) -> LoopState:
 
 
 def promote(ctx: StepContext, state: LoopState) -> LoopState:
-    """Skip the remaining gates of the job's deployment: the whole pool moves to its version."""
+    """Skip the remaining gates of the job's deployment: the whole pool moves to its version, unless the
+    reward-hacking guard flags it (the job fails with the guard's reason; ``force`` overrides)."""
     return _act(ctx, state, "promote")
 
 

@@ -3,7 +3,8 @@ on the typed :class:`LoopState` it receives, and chained with canvas by
 :func:`scheduler.loop.submit.submit` (no task waits on another). Every task records its run in the
 job table (:mod:`scheduler.loop.jobs`), renews a heartbeat while it runs, and ends without running
 when its job was cancelled. ``rl_update`` trains on borrowed replicas and yields to recalls;
-``plan_capacity``, ``reap_leases`` and ``reap_jobs`` run periodically under celery beat.
+``plan_capacity``, ``reap_leases``, ``reap_jobs`` and ``check_retrain`` (the reward-model retrain
+triggers, score drift included) run periodically under celery beat.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from scheduler.loop.borrowing import FleetControl, fleet_control, give_back, len
 from scheduler.loop.planning import choose_replicas, plan_pool
 from scheduler.loop.preemptible import run_preemptible
 from scheduler.loop.state import LoopState, Step
+from scheduler.loop.submit import new_job_id, submit
 from scheduler.loop.training import outcome, trainer
 
 log = structlog.get_logger(__name__)
@@ -226,6 +228,32 @@ def reap_leases() -> dict[str, Any]:
 def reap_jobs() -> dict[str, Any]:
     """Mark steps whose worker stopped beating LOST."""
     return {"lost": jobs.reap_lost(worker_engine(), worker_settings().scheduler.job_lost_after_s)}
+
+
+NO_MODEL = "no promoted reward model"
+
+
+@app.task(base=LoopTask, name="undertow.check_retrain")
+def check_retrain() -> dict[str, Any]:
+    """Ask the reward-model retrain triggers (new labels, age, drift of the promoted model's scores on recent
+    sessions); when one holds, start a ``reward_model_retrain`` job (its reason ``drift`` when the scores
+    drifted). Nothing is started while such a job is still queued or running, nor before a first model was
+    promoted (an operator or a loop job trains that one)."""
+    settings, engine = worker_settings(), worker_engine()
+    decision = steps.decide_retrain(steps.StepContext(settings, engine))
+    out: dict[str, Any] = {"retrain": decision.retrain, "reasons": decision.reasons, "job_id": None}
+    out["details"] = jobs._jsonable(decision.details)
+    if not decision.retrain or decision.reasons == [NO_MODEL]:
+        return out
+    busy = jobs.unfinished(engine, "reward_model_retrain", settings.scheduler.longest_step_s)
+    if busy is not None:
+        out["skipped"] = f"reward-model retrain job {busy} is still queued or running"
+        return out
+    reason = "drift" if decision.drifted else "; ".join(decision.reasons)
+    state = LoopState(run_id=new_job_id(), kind="reward_model_retrain", requested_by="retrain-trigger", reason=reason)
+    out["job_id"] = submit(engine, settings, state)
+    log.info("retrain triggered", job=out["job_id"], reason=reason, reasons=decision.reasons)
+    return out
 
 
 @signals.worker_ready.connect

@@ -33,6 +33,9 @@ class SchedulerConfig(BaseModel):
     """First retry delay; doubles on each retry (with jitter)."""
     planning_interval_s: float = Field(default=600.0, gt=0)
     """How often celery beat runs the capacity plan and the lease reaper."""
+    retrain_check_interval_s: float = Field(default=900.0, gt=0)
+    """How often celery beat asks the reward-model retrain triggers (new labels, age, score drift) and starts a
+    reward-model retrain job when one holds."""
     window_s: int = Field(default=600, ge=60)
     """Planning window: demand is forecast and replicas are lent per window."""
     burst_interval_s: int = Field(default=10, ge=1)

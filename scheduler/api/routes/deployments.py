@@ -4,6 +4,11 @@ Starting a rollout, promoting and rolling back are jobs for the scheduler's Cele
 (they talk to replicas for minutes); the call answers 202 with the job to follow. Promoting or
 rolling back a running rollout also asks its deployer at once (:func:`serving.actions.request`), so
 it acts at its next gate even while every worker is busy.
+
+A promotion is judged by the reward-hacking guard (:func:`reward_models.api.promotion_check`) before
+it is accepted: a version whose sessions score higher on the reward model while users retain less
+of their code than on the version it replaces is refused with 409, the reason recorded in the
+deployment's message and the audit entry. ``force`` overrides the guard (audited).
 """
 
 from __future__ import annotations
@@ -12,9 +17,19 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, HTTPException, Path, Query, Request, status
 
+from reward_models.api import promotion_check
 from scheduler.api import queue, sources
 from scheduler.api.deps import EngineDep, OperatorDep, SessionDep, ViewerDep, audit
-from scheduler.api.schemas import NAME_PATTERN, ActionRequest, Deployment, Job, Page, PoolStatus, RolloutRequest
+from scheduler.api.schemas import (
+    NAME_PATTERN,
+    ActionRequest,
+    Deployment,
+    Job,
+    Page,
+    PoolStatus,
+    PromoteRequest,
+    RolloutRequest,
+)
 from scheduler.loop.state import LoopState
 from serving import actions
 
@@ -74,9 +89,11 @@ def _act(
     version: str,
     body: ActionRequest | None,
     actor: str,
+    *,
+    force: bool = False,
 ) -> Job:
     # The running deployer acts at its next gate even when every worker is busy; the job confirms it.
-    actions.request(engine, dep.id, action)
+    actions.request(engine, dep.id, "force_promote" if force and action == "promote" else action)
     state = queue.new_state(
         kind=action,
         deployment_id=dep.id,
@@ -84,6 +101,7 @@ def _act(
         version=version,
         reason=body.reason if body else "",
         requested_by=actor,
+        force=force,
     )
     return _submit(request, engine, state, action)
 
@@ -99,7 +117,11 @@ def start_rollout(request: Request, principal: OperatorDep, engine: EngineDep, b
 
 
 @router.post(
-    "/{deployment_id}/promote", response_model=Job, status_code=status.HTTP_202_ACCEPTED, summary="Promote a canary"
+    "/{deployment_id}/promote",
+    response_model=Job,
+    status_code=status.HTTP_202_ACCEPTED,
+    summary="Promote a canary",
+    responses={409: {"description": "Not running, or refused by the reward-hacking guard (the detail says why)."}},
 )
 def promote(
     request: Request,
@@ -107,14 +129,29 @@ def promote(
     engine: EngineDep,
     session: SessionDep,
     deployment_id: DeploymentPath,
-    body: ActionRequest | None = None,
+    body: PromoteRequest | None = None,
 ) -> Job:
-    """Skip the remaining gates of a running rollout and move the whole pool to its version."""
-    audit(request, "deployment.promote", deployment_id=deployment_id)
+    """Skip the remaining gates of a running rollout and move the whole pool to its version.
+
+    Refused (409) when the reward-hacking guard flags the version: its sessions score higher on the
+    reward model while their real retention is lower than the replaced version's. ``force`` overrides."""
+    force = bool(body and body.force)
+    audit(request, "deployment.promote", deployment_id=deployment_id, force=force or None)
     dep = _get(session, deployment_id)
     if dep.status != "running":
         raise HTTPException(409, f"deployment {deployment_id} is {dep.status}; only a running rollout can be promoted")
-    return _act(request, engine, dep, "promote", dep.to_version, body, principal.name)
+    report = promotion_check(
+        engine, request.app.state.settings.rewards, candidate=dep.to_version, incumbent=dep.from_version
+    )
+    audit(request, "deployment.promote", guard_flagged=report.flagged, guard=report.reason)
+    if report.flagged and not force:
+        message = actions.refusal_message(dep.to_version, dep.from_version, report)
+        actions.note_refusal(engine, dep.id, message)
+        audit(request, "deployment.promote", refused=message)
+        raise HTTPException(409, message)
+    if report.flagged:
+        audit(request, "deployment.promote", guard_overridden=True)
+    return _act(request, engine, dep, "promote", dep.to_version, body, principal.name, force=force)
 
 
 @router.post("/{deployment_id}/rollback", response_model=Job, status_code=status.HTTP_202_ACCEPTED, summary="Roll back")

@@ -9,8 +9,9 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -81,9 +82,11 @@ class Load:
         self.thread.join(60)
 
 
-@pytest.fixture(scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """The whole stack on SQLite, then on PostgreSQL (database and Celery broker alike)."""
+def deploy_stack(
+    root: Path, url: str | None, name: str, prepare: Callable[[Any, dict[str, str]], None] | None = None
+) -> Iterator[Stack]:
+    """API in process, a real Celery worker, two CPU engines behind the gateway, the pool on v0 (``url``: a
+    PostgreSQL database, else SQLite); ``prepare(engine, env)`` runs on the migrated database first."""
     from fastapi.testclient import TestClient
     from serving_helpers import make_versions
 
@@ -96,10 +99,8 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     from serving.gateway import Gateway, create_gateway_app, health_loop, registry_source
     from serving.launch import ServerThread, start_engines
 
-    root = tmp_path_factory.mktemp("e2e")
     versions = make_versions(root / "weights")
     port = free_port()
-    url = request.getfixturevalue("module_pg_url") if request.param == "postgres" else None
     env = {
         **make_env(root, url),
         "UNDERTOW_POLICY__WEIGHTS_URL": str(versions.store),
@@ -113,6 +114,8 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         "UNDERTOW_SERVING__DEPLOY__STALE_AFTER_S": "60",
     }
     engine = make_engine(env["UNDERTOW_DATABASE_URL"])
+    if prepare is not None:
+        prepare(engine, env)
     procs = start_engines(versions.checkpoint, 2, store=versions.store, log_dir=root)
     health = FleetConfig(health_interval_s=0.5, health_timeout_s=2.0, unhealthy_after=1)
     for i, p in enumerate(procs):
@@ -120,18 +123,25 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     fleet.set_target(engine, "v0", versions.hashes["v0"])
     asyncio.run(fleet.check_fleet(engine, health))
     gw = Gateway(registry_source(engine, "default", 0.2), None, GatewayConfig(), "undertow-policy")
-    worker = Worker(env, root / "worker.log", "e2e")
+    worker = Worker(env, root / "worker.log", name)
     try:
         with ServerThread(create_gateway_app(gw, [health_loop(engine, health, "default")]), port=port):
             worker.wait_ready()
             settings = settings_for(env, api={"rate_limit_per_minute": 100_000, "rate_limit_burst": 10_000})
-            token = create_token(engine, "e2e-operator", "operator")[1]
+            token = create_token(engine, f"{name}-operator", "operator")[1]
             with TestClient(create_app(settings, engine=engine)) as client:
                 yield Stack(env, engine, client, token, versions, [p.url for p in procs])
     finally:
         worker.stop()
         for p in procs:
             p.kill()
+
+
+@pytest.fixture(scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The whole stack on SQLite, then on PostgreSQL (database and Celery broker alike)."""
+    url = request.getfixturevalue("module_pg_url") if request.param == "postgres" else None
+    yield from deploy_stack(tmp_path_factory.mktemp("e2e"), url, "e2e")
 
 
 def test_rollout_moves_every_replica_and_a_redelivered_rollout_changes_nothing(stack: Stack) -> None:
