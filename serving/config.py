@@ -53,6 +53,8 @@ class GatewayConfig(BaseModel):
     """Bound of the on-disk telemetry buffer; the oldest events are dropped (and counted) beyond it."""
     emit_queue_size: int = Field(default=10_000, ge=1)
     """Events held in memory before they spill to disk."""
+    signal_max_skew_s: float = Field(default=300.0, ge=0)
+    """A signal whose ``occurred_at`` is later than the gateway's clock plus this is refused (422)."""
 
 
 class FleetConfig(BaseModel):

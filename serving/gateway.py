@@ -18,7 +18,8 @@ replicas, whole or streamed.
   which stops the generation. Telemetry records what was served, with ``abort`` then.
 - Errors come in OpenAI's shape and are counted by type in ``/gateway/metrics``.
 - ``POST /v1/signals``: an editor's signal (accept/reject, retention, selection, switch,
-  thumbs, ...) is validated against the wire schema and forwarded to Kafka.
+  thumbs, ...) is validated against the wire schema, checked by :mod:`serving.trust` (not dated
+  in the future, from the session's own user, each ``event_id`` once) and forwarded to Kafka.
 - ``GET /gateway/metrics``: per-version request counts, error rates, latency and the
   acceptance proxy, which the deployer's gate reads.
 """
@@ -29,7 +30,7 @@ import asyncio
 import itertools
 import time
 import uuid
-from collections import Counter, OrderedDict, defaultdict, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -51,6 +52,7 @@ from serving.fleet import Replica
 from serving.limits import BodyLimit
 from serving.protocol import ChatCompletionRequest, CompletionRequest
 from serving.telemetry import TelemetryEmitter
+from serving.trust import SignalTrust
 from serving.turns import MAX_SESSION_ID
 
 log = structlog.get_logger(__name__)
@@ -137,7 +139,7 @@ class Gateway:
         self.inflight: dict[str, int] = defaultdict(int)
         self.stats: dict[str, VersionStats] = defaultdict(VersionStats)
         self.errors: Counter[str] = Counter()
-        self.session_versions: OrderedDict[str, str] = OrderedDict()
+        self.trust = SignalTrust(config.signal_max_skew_s)
         self._rr = itertools.count()
 
     async def pick(self, exclude: set[str]) -> Replica | None:
@@ -304,9 +306,9 @@ class Gateway:
 
     def _emit(self, req: turns.Request, served: turns.Served, k: int) -> None:
         session_id = req.session_id(served.index, k)
-        self._remember(session_id, req.version)
+        self.trust.served(session_id, req.version, req.user)
         if req.session is not None:
-            self._remember(req.session, req.version)
+            self.trust.served(req.session, req.version, req.user)
         if self.emitter is not None:
             self.emitter.emit(turns.event(req, served, k))
 
@@ -383,13 +385,9 @@ class Gateway:
             for item in served:
                 self._emit(req, item, k)
 
-    def _remember(self, session_id: str, version: str) -> None:
-        self.session_versions[session_id] = version
-        while len(self.session_versions) > 100_000:
-            self.session_versions.popitem(last=False)
-
     def signal(self, raw: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        """Validate one signal envelope (event_id/occurred_at filled when absent) and forward it."""
+        """Validate one signal envelope (event_id/occurred_at filled when absent), check that it can be
+        trusted (:mod:`serving.trust`) and forward it once."""
         from ingest.schemas import InvalidEvent, validate_event
 
         if raw.get("type") == "session.completed":
@@ -401,13 +399,23 @@ class Gateway:
             event = validate_event(raw)
         except InvalidEvent as exc:
             return 422, _err(f"invalid signal ({exc.reason}): {exc.detail}")
+        if self.trust.duplicate(event.event_id):
+            self.errors["DuplicateSignal"] += 1
+            return 200, {"accepted": True, "duplicate": True, "event_id": event.event_id}
+        refusal = self.trust.check(raw, event.occurred_at)
+        if refusal is not None:
+            self.errors[refusal.kind] += 1
+            return refusal.status, _err(refusal.message, refusal.kind)
+        if raw.get("user_id") != event.user_id:  # the served user, filled in by the check
+            event = validate_event(raw)
+        self.trust.accepted(event.event_id)
         self._score(event.type, event.session_id, event.payload.model_dump())
         if self.emitter is not None:
             self.emitter.emit(event.model_dump(mode="json", exclude_none=True))
         return 202, {"accepted": True, "event_id": event.event_id}
 
     def _score(self, kind: str, session_id: str | None, payload: dict[str, Any]) -> None:
-        version = self.session_versions.get(session_id or "")
+        version = self.trust.version(session_id)
         if version is None:
             return
         value: float | None = ACCEPT_TYPES.get(kind)

@@ -1,0 +1,93 @@
+"""Which editor signals the gateway trusts, before they reach Kafka or the deployment gate.
+
+A signal moves labels, reward models and the canary gate, so the gateway refuses the ones no
+honest client sends, each with a clear 4xx and a reason counted in ``/gateway/metrics``:
+
+- ``occurred_at`` later than now plus ``signal_max_skew_s``: a signal dated in the future would
+  override the real one (labels keep the latest ``occurred_at``). 422.
+- a signal naming a user other than the one the gateway served that session to: 403. A signal
+  that names no user is attributed to the served one.
+
+An ``event_id`` the gateway has forwarded already is answered 200 with ``duplicate: true`` and
+neither forwarded nor counted again (ingest de-duplicates too; the gate's counts now do as well).
+Signals for sessions this gateway did not serve (another gateway, or before a restart) are
+forwarded as before: ingest joins them when their session arrives; the gate does not count them.
+
+What the gateway remembers is bounded (the newest sessions and event ids), so a restart or a very
+old session falls back to ingest's checks.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+MAX_REMEMBERED = 100_000
+"""Sessions, and separately event ids, the gateway remembers (the oldest are forgotten first)."""
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a signal is refused: the HTTP status, the error type counted in the metrics, the message."""
+
+    status: int
+    kind: str
+    message: str
+
+
+def _remember(store: OrderedDict[str, Any], key: str, value: Any) -> None:
+    store[key] = value
+    store.move_to_end(key)
+    while len(store) > MAX_REMEMBERED:
+        store.popitem(last=False)
+
+
+class SignalTrust:
+    """The sessions this gateway served (version and user) and the event ids it forwarded."""
+
+    def __init__(self, max_skew_s: float) -> None:
+        self.max_skew = timedelta(seconds=max_skew_s)
+        self.sessions: OrderedDict[str, tuple[str, str | None]] = OrderedDict()
+        self.forwarded: OrderedDict[str, None] = OrderedDict()
+
+    def served(self, session_id: str, version: str, user: str | None) -> None:
+        """Remember that ``session_id`` was served by ``version`` to ``user``."""
+        _remember(self.sessions, session_id, (version, user))
+
+    def version(self, session_id: str | None) -> str | None:
+        """The version that served ``session_id``, if this gateway served it."""
+        entry = self.sessions.get(session_id or "")
+        return entry[0] if entry is not None else None
+
+    def duplicate(self, event_id: str) -> bool:
+        """True when this ``event_id`` was forwarded already."""
+        return event_id in self.forwarded
+
+    def check(self, raw: dict[str, Any], occurred_at: datetime, now: datetime | None = None) -> Refusal | None:
+        """A refusal for this signal, or None; fills in the served user when the signal names none."""
+        now = now or datetime.now(UTC)
+        if occurred_at > now + self.max_skew:
+            return Refusal(
+                422,
+                "SignalFromTheFuture",
+                f"occurred_at {occurred_at.isoformat()} is later than the gateway's clock plus the allowed skew "
+                f"({self.max_skew.total_seconds():g} s); send the time the user acted",
+            )
+        entry = self.sessions.get(str(raw.get("session_id") or ""))
+        if entry is not None and entry[1] is not None:
+            user = raw.get("user_id")
+            if user is None:
+                raw["user_id"] = entry[1]
+            elif user != entry[1]:
+                return Refusal(
+                    403,
+                    "SignalFromAnotherUser",
+                    f"session {raw['session_id']} was not served to user {user}; only its user may send its signals",
+                )
+        return None
+
+    def accepted(self, event_id: str) -> None:
+        """Remember a forwarded ``event_id``."""
+        _remember(self.forwarded, event_id, None)
