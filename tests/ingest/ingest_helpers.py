@@ -291,6 +291,14 @@ def assert_segments_whole(engine: Any, events: list[dict[str, Any]]) -> None:
     assert not wrong and len(per_session) == len(expected), f"segments (stored, sent) per session: {wrong}"
 
 
+def reap(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Kill and wait for each process of ``procs`` still running (a test's cleanup)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def start_ingest(env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
     """``undertow ingest`` (group mode, until stopped) as a subprocess; its log appended to ``log_path``."""
     with open(log_path, "ab") as log:

@@ -20,6 +20,7 @@ import pytest
 from ingest_helpers import (
     assert_exactly_once,
     produce_in_background,
+    reap,
     start_ingest,
     stored_count,
     stream_events,
@@ -87,9 +88,6 @@ def test_two_consumers_share_partitions_and_the_survivor_takes_over_after_kill_9
         procs[1].send_signal(signal.SIGTERM)
         assert procs[1].wait(timeout=30) == 0
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        reap(procs)
     assert_exactly_once(engine, events)
     engine.dispose()

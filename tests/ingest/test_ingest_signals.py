@@ -19,6 +19,7 @@ from ingest_helpers import (
     cli_env,
     last_json,
     produce_in_background,
+    reap,
     start_ingest,
     stored_count,
     stream_events,
@@ -79,9 +80,6 @@ def test_sigterm_and_sigint_stop_ingest_mid_stream_within_10_s_without_loss_or_d
         assert rest.returncode == 0, rest.stderr[-2000:]
         assert last_json(rest.stdout)["duplicates"] == 0
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        reap(procs)
     assert_exactly_once(engine, events)
     engine.dispose()
