@@ -34,6 +34,11 @@ The consumer hands each batch to a writer and polls the next one meanwhile. Two 
 
 Either way a non-transient database error is raised in the consumer, and a batch that did not
 commit (stopped while the database was away) reports ``None``.
+
+Signatures (:mod:`ingest.signing`): with ``ingest.signing_keys`` set, the consumer hands over each
+record with its headers (:data:`SignedRecord`) and the validating side checks its signature before
+validating it (:func:`verify_records`); the keys reach the writer processes in the
+:class:`BatchContext`. Without keys, records go without headers and nothing is done per record.
 """
 
 from __future__ import annotations
@@ -47,10 +52,10 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
@@ -60,6 +65,7 @@ from ingest.config import IngestConfig
 from ingest.db import make_engine, transaction
 from ingest.fastpath import FastEvent, fast_parse
 from ingest.rows import Codec, codec_for
+from ingest.signing import SigningKey, verify
 from ingest.writer import (
     DeadLetter,
     Delivery,
@@ -76,6 +82,10 @@ from ingest.writer import (
 
 RawRecord = tuple[str, int, int, bytes | None, bytes | None]
 """``(topic, partition, offset, key, value)`` of one Kafka record."""
+Headers = list[tuple[str, bytes | None]]
+"""A Kafka record's headers, as kafka-python returns them."""
+SignedRecord = tuple[str, int, int, bytes | None, bytes | None, Headers | None]
+"""A :data:`RawRecord` with its headers: what the consumer hands over when signing keys are configured."""
 OnRetry = Callable[[str, float], None]
 """Told about each transient database error: the error text and the backoff before the retry."""
 
@@ -102,6 +112,9 @@ class BatchContext:
     retry_max_s: float
     gc_threshold: int = 0
     """Young-generation threshold of the writer processes' collector (0: Python's default); see :func:`quiet_gc`."""
+    signing_keys: tuple[SigningKey, ...] = ()
+    """The keys records must be signed by (``ingest.signing_keys``); empty: nothing is checked. The writer
+    processes get them with the context."""
 
 
 class Pending(Protocol):
@@ -119,13 +132,40 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
 
 
-def parse_records(records: list[RawRecord], max_bytes: int) -> tuple[list[Delivery], list[DeadLetter]]:
-    """Validated deliveries and dead letters: :func:`~ingest.fastpath.fast_parse` first, pydantic for the rest."""
+def verify_records(
+    records: Sequence[RawRecord | SignedRecord], keys: Mapping[str, SigningKey]
+) -> tuple[list[RawRecord], list[DeadLetter]]:
+    """The records signed by one of ``keys`` (headers dropped), and dead letters ``unsigned`` or ``bad_signature``
+    for the others (a record without its headers is unsigned)."""
+    passed: list[RawRecord] = []
+    letters: list[DeadLetter] = []
+    for record in records:
+        topic, partition, offset, key, value = record[:5]
+        failed = verify(value, record[5] if len(record) > 5 else None, keys)
+        if failed is None:
+            passed.append((topic, partition, offset, key, value))
+        else:
+            letters.append(DeadLetter(topic, partition, offset, key, value or b"", *failed))
+    return passed, letters
+
+
+def parse_records(
+    records: Sequence[RawRecord | SignedRecord], max_bytes: int, keys: Mapping[str, SigningKey] | None = None
+) -> tuple[list[Delivery], list[DeadLetter]]:
+    """Validated deliveries and dead letters: :func:`~ingest.fastpath.fast_parse` first, pydantic for the rest.
+
+    With ``keys``, each record's signature is checked first (:func:`verify_records`); without, nothing
+    is done per record beyond validation.
+    """
     deliveries: list[Delivery] = []
     letters: list[DeadLetter] = []
+    if keys:
+        plain, letters = verify_records(records, keys)
+    else:
+        plain = cast(list[RawRecord], records)
     parse = schemas.parse_event
     fast = fast_parse
-    for topic, partition, offset, key, value in records:
+    for topic, partition, offset, key, value in plain:
         value = value if value is not None else b""
         event: schemas.Event | FastEvent | None = fast(value) if len(value) <= max_bytes else None
         if event is not None:
@@ -140,9 +180,12 @@ def parse_records(records: list[RawRecord], max_bytes: int) -> tuple[list[Delive
     return deliveries, letters
 
 
-def prepare_batch(codec: Codec, ctx: BatchContext, records: list[RawRecord]) -> tuple[PreparedEvents, list[DeadLetter]]:
-    """Validate a batch and build its rows (no database needed)."""
-    deliveries, letters = parse_records(records, ctx.max_message_bytes)
+def prepare_batch(
+    codec: Codec, ctx: BatchContext, records: Sequence[RawRecord | SignedRecord]
+) -> tuple[PreparedEvents, list[DeadLetter]]:
+    """Verify (with signing keys), validate a batch and build its rows (no database needed)."""
+    keys = {k.key_id: k for k in ctx.signing_keys} if ctx.signing_keys else None
+    deliveries, letters = parse_records(records, ctx.max_message_bytes, keys)
     return prepare_events(codec, deliveries), letters
 
 
@@ -194,7 +237,7 @@ def commit_batch(
 def write_batch(
     engine: Engine,
     ctx: BatchContext,
-    records: list[RawRecord],
+    records: Sequence[RawRecord | SignedRecord],
     offsets: dict[tuple[str, int], int],
     cluster: str | None,
     stop: Any,
@@ -217,7 +260,9 @@ class ThreadWriter:
         self._on_retry = on_retry
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="undertow-ingest-writer")
 
-    def submit(self, records: list[RawRecord], offsets: dict[tuple[str, int], int], cluster: str | None) -> Pending:
+    def submit(
+        self, records: Sequence[RawRecord | SignedRecord], offsets: dict[tuple[str, int], int], cluster: str | None
+    ) -> Pending:
         """Start writing a batch."""
         return self._pool.submit(write_batch, *self._args, records, offsets, cluster, self._stop, self._on_retry)
 
@@ -300,7 +345,9 @@ class ProcessWriter:
         """The writer's processes (one on PostgreSQL), each once."""
         return list(dict.fromkeys((self._preparer, self._committer)))
 
-    def submit(self, records: list[RawRecord], offsets: dict[tuple[str, int], int], cluster: str | None) -> Pending:
+    def submit(
+        self, records: Sequence[RawRecord | SignedRecord], offsets: dict[tuple[str, int], int], cluster: str | None
+    ) -> Pending:
         """Send a batch to the validating process."""
         try:
             self._jobs.send((records, offsets, cluster))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
 
 
 class KafkaConfig(BaseModel):
@@ -28,6 +28,8 @@ class KafkaConfig(BaseModel):
 
 class IngestConfig(BaseModel):
     """How the consumer batches, retries and reports."""
+
+    model_config = ConfigDict(hide_input_in_errors=True)  # a misconfigured secret is not echoed in the error
 
     batch_size: int = Field(default=500, ge=1)
     """Most records written in one database transaction."""
@@ -57,3 +59,33 @@ class IngestConfig(BaseModel):
     """While consuming: objects allocated between young garbage collections (Python's default is 700);
     long-lived objects are frozen out of the collector at start (in the writer processes too). 0 leaves the
     collector as it is."""
+    signing_keys: dict[str, str] = Field(default_factory=dict)
+    """Producer keys, key id -> secret (:mod:`ingest.signing`; ``undertow telemetry-keys new NAME`` makes one). When
+    non-empty, every record must carry an HMAC-SHA256 signature by one of them in its ``undertow-key-id`` and
+    ``undertow-signature`` headers, else it is a dead letter with reason ``unsigned`` (no signature) or
+    ``bad_signature`` (unknown key id, or a signature that does not match); the gateway's key is one of them.
+    Empty: nothing is checked. Secrets are at least 16 bytes and are never printed by ``undertow config show``."""
+    replay_signing_key_id: str = "dlq-replay"
+    """The key of ``signing_keys`` that ``undertow dlq replay`` signs replayed records with (an operator's replay is
+    trusted, so it passes verification); when it is not one of ``signing_keys``, replay sends them unsigned and
+    says so in its output."""
+    unmatched_signal_ttl_s: float = Field(default=86400.0, gt=0)
+    """How long a signal may wait for its session: a signal (other than ``user.churned``, which has none) whose
+    session has not arrived this many seconds after the signal was received is moved from the signals to the
+    dead letters with reason ``unknown_session``, its envelope as the value, so ``undertow dlq replay`` can send
+    it again (``undertow ingest sweep`` runs the move by hand)."""
+    unmatched_sweep_interval_s: float = Field(default=60.0, gt=0)
+    """How often the consumer looks for signals that waited longer than ``unmatched_signal_ttl_s`` (a bounded
+    query on the signals' primary key and the sessions' index, then one transaction per chunk)."""
+
+    @field_validator("signing_keys")
+    @classmethod
+    def _valid_keys(cls, value: dict[str, str]) -> dict[str, str]:
+        from ingest.signing import keyring
+
+        keyring(value)  # raises on a bad key id or a short secret
+        return value
+
+    @field_serializer("signing_keys", when_used="json")
+    def _hide_secrets(self, value: dict[str, str]) -> dict[str, str]:
+        return dict.fromkeys(value, "<secret>")

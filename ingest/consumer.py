@@ -40,6 +40,12 @@ a Kafka cluster hands them to clients that read uncommitted).
 
 Validation: :func:`ingest.fastpath.fast_parse` (msgspec) first; what it refuses goes through
 :func:`ingest.schemas.parse_event` (pydantic), which accepts it or names the dead-letter reason.
+With ``ingest.signing_keys`` set, each record's signature is checked before (:mod:`ingest.signing`):
+dead letters ``unsigned`` and ``bad_signature``.
+
+Signals whose session never arrives: every ``unmatched_sweep_interval_s`` the loop moves those
+waiting longer than ``unmatched_signal_ttl_s`` to the dead letters (:mod:`ingest.unmatched`: table,
+then the dead-letter topic), a bounded amount of work per sweep.
 
 Two modes: ``group`` (subscribe; a consumer group spreads partitions over processes) and
 ``assign`` (every partition of the topic, no group join: immediate, used by ``--once``).
@@ -62,12 +68,15 @@ from kafka import ConsumerRebalanceListener
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
-from ingest.batches import BatchContext, Pending, RawRecord, make_writer, quiet_gc
+from ingest.batches import BatchContext, Pending, RawRecord, SignedRecord, make_writer, quiet_gc
 from ingest.config import IngestConfig, KafkaConfig
 from ingest.db import transaction
+from ingest.dlq import topic_headers
+from ingest.signing import keyring
+from ingest.unmatched import UnmatchedSweeper
 from ingest.unreadable import UnreadableBatch, classify
 from ingest.unreadable import record as record_unreadable
-from ingest.writer import DeadLetter, load_offsets
+from ingest.writer import load_offsets
 
 log = structlog.get_logger(__name__)
 
@@ -101,6 +110,8 @@ class ConsumerStats:
     dead_letters: int = 0
     batches: int = 0
     db_retries: int = 0
+    unknown_session: int = 0
+    """Signals moved to the dead letters by the sweep (their session never arrived; :mod:`ingest.unmatched`)."""
     first_record_s: float | None = None
     """``time.monotonic()`` when the first records arrived (rates exclude connection set-up)."""
     last_commit_s: float | None = None
@@ -163,6 +174,11 @@ class IngestConsumer:
         """A batch did not commit (stopped while the database was away): nothing after it may commit."""
         self._held: dict[Any, _Held] = {}
         """Partitions at a batch that could not be read (paused, or being read again)."""
+        self._signing_keys = tuple(keyring(ingest.signing_keys).values())
+        """Keys every record must be signed by (empty: nothing is checked, and headers are not even read)."""
+        self._sweeper = UnmatchedSweeper(engine, ingest.unmatched_signal_ttl_s, kafka.topic)
+        self._next_sweep = 0.0
+        """``time.monotonic()`` when the next sweep of signals whose session never arrived is due."""
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -300,6 +316,7 @@ class IngestConsumer:
             self.cfg.retry_initial_s,
             self.cfg.retry_max_s,
             self.cfg.gc_threshold,
+            self._signing_keys,
         )
         try:
             # Before the Kafka clients start their threads: the writer processes start here.
@@ -321,6 +338,8 @@ class IngestConsumer:
                 if max_seconds is not None and time.monotonic() - started > max_seconds:
                     break
                 try:
+                    if time.monotonic() >= self._next_sweep:
+                        self._sweep_unmatched()
                     if self._step(once, time.monotonic() - last_topic_check > self.cfg.topic_check_s):
                         break
                     broker_delay = self.cfg.retry_initial_s
@@ -452,11 +471,20 @@ class IngestConsumer:
 
     def _process(self, records: list[Any], cluster: str | None) -> None:
         """Hand a batch to the writer (which validates and writes it) once it has room for it."""
-        raw: list[RawRecord] = []
+        raw: list[RawRecord] | list[SignedRecord] = []
         offsets: dict[tuple[str, int], int] = {}
-        for rec in records:
-            offsets[(rec.topic, rec.partition)] = rec.offset + 1
-            raw.append((rec.topic, rec.partition, rec.offset, rec.key, rec.value))
+        if self._signing_keys:  # the headers travel with the records: the validating process checks signatures
+            signed: list[SignedRecord] = []
+            for rec in records:
+                offsets[(rec.topic, rec.partition)] = rec.offset + 1
+                signed.append((rec.topic, rec.partition, rec.offset, rec.key, rec.value, rec.headers))
+            raw = signed
+        else:
+            plain: list[RawRecord] = []
+            for rec in records:
+                offsets[(rec.topic, rec.partition)] = rec.offset + 1
+                plain.append((rec.topic, rec.partition, rec.offset, rec.key, rec.value))
+            raw = plain
         if self._writer is None:
             return
         self._drain(keep=self._writer.depth - 1)
@@ -484,7 +512,7 @@ class IngestConsumer:
         self.stats.dead_letters += len(letters)
         self.stats.batches += 1
         for dl in letters:
-            self._dlq.send(self.kafka.dlq_topic, key=dl.key, value=dl.value, headers=_dlq_headers(dl))
+            self._dlq.send(self.kafka.dlq_topic, key=dl.key, value=dl.value, headers=topic_headers(dl))
         self._commit_kafka(batch.offsets)
         if self.on_commit is not None:
             self.on_commit(
@@ -498,6 +526,33 @@ class IngestConsumer:
                     stored_ids=result.stored_ids,
                 )
             )
+
+    def _sweep_unmatched(self) -> None:
+        """Move signals whose session did not arrive within the TTL to the dead letters (table, then topic).
+
+        Bounded per call (:class:`~ingest.unmatched.UnmatchedSweeper`); while it has not caught up, the
+        next call comes after a second instead of ``unmatched_sweep_interval_s``. A database error is
+        logged and the sweep tried again at the next interval: batches are never held up by it.
+        """
+        interval = self.cfg.unmatched_sweep_interval_s
+        try:
+            result = self._sweeper.sweep()
+        except DBAPIError as exc:
+            log.warning("ingest.sweep_failed", error=str(exc.orig)[:200], retry_in_s=interval)
+            self._next_sweep = time.monotonic() + interval
+            return
+        self._next_sweep = time.monotonic() + (interval if result.caught_up else min(interval, 1.0))
+        if not result.moved:
+            return
+        self.stats.unknown_session += len(result.moved)
+        log.info(
+            "ingest.unknown_session",
+            moved=len(result.moved),
+            ttl_s=self.cfg.unmatched_signal_ttl_s,
+            event_ids=[m.event_id for m in result.moved[:20]],
+        )
+        for dl in result.letters:
+            self._dlq.send(self.kafka.dlq_topic, key=dl.key, value=dl.value, headers=topic_headers(dl))
 
     def _on_db_retry(self, error: str, delay: float) -> None:
         """A transient database error: the writer retries the batch after ``delay`` seconds."""
@@ -559,15 +614,6 @@ def _forget_failed_fetch(consumer: Any) -> tuple[Any, int] | None:
 def _log_commit_failure(offsets: Any, response: Any) -> None:
     if isinstance(response, Exception):
         log.warning("ingest.kafka_commit_failed", error=str(response)[:200])
-
-
-def _dlq_headers(dl: DeadLetter) -> list[tuple[str, bytes]]:
-    return [
-        ("reason", dl.reason.encode()),
-        ("source_topic", dl.topic.encode()),
-        ("source_partition", str(dl.partition).encode()),
-        ("source_offset", str(dl.offset).encode()),
-    ]
 
 
 class _SeekToStored(ConsumerRebalanceListener):  # type: ignore[misc]

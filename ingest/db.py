@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import DateTime, MetaData, create_engine, event
+from sqlalchemy import DateTime, MetaData, create_engine, event, select
 from sqlalchemy.engine import Dialect, Engine, make_url
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 from sqlalchemy.types import TypeDecorator
@@ -126,6 +126,23 @@ def transaction(engine: Engine) -> Iterator[Session]:
     """A session in one transaction: commit on success, roll back on error."""
     with session_factory(engine)() as session, session.begin():
         yield session
+
+
+def revoke_named(engine: Engine, table: Any, name: str) -> bool:
+    """Set ``revoked_at`` on the row of ``table`` named ``name`` (API tokens, gateway keys); False when
+    there is no such row or it is revoked already."""
+    with transaction(engine) as session:
+        row = session.scalar(select(table).where(table.name == name))
+        if row is None or row.revoked_at is not None:
+            return False
+        row.revoked_at = datetime.now(UTC)
+        return True
+
+
+def all_rows(engine: Engine, table: Any) -> list[Any]:
+    """Every row of ``table`` in ``id`` order (credentials listings: hashes only, never a secret)."""
+    with transaction(engine) as session:
+        return list(session.scalars(select(table).order_by(table.id)))
 
 
 def import_all_tables() -> MetaData:

@@ -4,6 +4,12 @@ Replay re-produces the raw bytes, with their original key, to the telemetry topi
 validates them again. A message that is still bad becomes a new dead letter; one that is now
 valid is stored once (or counted as a duplicate if it had been stored meanwhile). Rows are
 marked (``replayed_at``, ``replay_count``) only after the broker acknowledged every send.
+
+When ingest verifies signatures (``ingest.signing_keys``), a replay is signed with the key named by
+``ingest.replay_signing_key_id``: an operator's replay is trusted, so a dead letter ``unsigned``
+(or ``bad_signature``) passes once replayed. Without that key it is sent unsigned
+(:func:`replay_key` says why). Dead letters ``unknown_session`` hold the signal's envelope as JSON
+(:mod:`ingest.unmatched`), replayed like any other.
 """
 
 from __future__ import annotations
@@ -16,9 +22,12 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.engine import Engine
 
+from ingest.config import IngestConfig
 from ingest.db import transaction
 from ingest.producer import TelemetryProducer
+from ingest.signing import SigningKey, keyring
 from ingest.tables import DeadLetterRow
+from ingest.writer import DeadLetter
 
 
 def list_dead_letters(
@@ -62,16 +71,34 @@ def _as_dict(row: DeadLetterRow) -> dict[str, Any]:
     }
 
 
+def replay_key(cfg: IngestConfig) -> tuple[SigningKey | None, str | None]:
+    """The key replays are signed with, and, when there is none while ingest verifies signatures, why.
+
+    ``(None, None)``: signing is off (no ``signing_keys``), replays go unsigned and pass as before.
+    """
+    if not cfg.signing_keys:
+        return None, None
+    key = keyring(cfg.signing_keys).get(cfg.replay_signing_key_id)
+    if key is None:
+        return None, (
+            f"replay_signing_key_id {cfg.replay_signing_key_id!r} is not one of ingest.signing_keys: replayed "
+            "records go unsigned, and ingest dead-letters them again (unsigned)"
+        )
+    return key, None
+
+
 def replay(
     engine: Engine,
     producer: TelemetryProducer,
     ids: Sequence[int] | None = None,
     reason: str | None = None,
     include_replayed: bool = False,
+    signing_key: SigningKey | None = None,
 ) -> list[int]:
     """Re-produce the selected dead letters to the telemetry topic; returns the replayed ids.
 
-    With neither ``ids`` nor ``reason`` every not yet replayed dead letter is replayed.
+    With neither ``ids`` nor ``reason`` every not yet replayed dead letter is replayed. With
+    ``signing_key`` each replayed value is signed (:func:`replay_key`).
     """
     query = select(DeadLetterRow.id, DeadLetterRow.key, DeadLetterRow.value).order_by(DeadLetterRow.id)
     if ids:
@@ -82,7 +109,11 @@ def replay(
         query = query.where(DeadLetterRow.replayed_at.is_(None))
     with transaction(engine) as session:
         rows = session.execute(query).all()
-    futures = [producer.send_raw(value or b"", key=key) for _, key, value in rows]
+    futures = []
+    for _, key, value in rows:
+        data = value or b""
+        headers = signing_key.headers(data) if signing_key is not None else None
+        futures.append(producer.send_raw(data, key=key, headers=headers))
     producer.flush()
     for fut in futures:
         fut.get(timeout=30)  # raises if the broker did not take it: nothing is marked then
@@ -95,3 +126,28 @@ def replay(
                 .values(replayed_at=datetime.now(UTC), replay_count=DeadLetterRow.replay_count + 1)
             )
     return done
+
+
+def topic_headers(dl: DeadLetter) -> list[tuple[str, bytes]]:
+    """The headers of a dead letter on the dead-letter topic: its reason and where it was read."""
+    return [
+        ("reason", dl.reason.encode()),
+        ("source_topic", dl.topic.encode()),
+        ("source_partition", str(dl.partition).encode()),
+        ("source_offset", str(dl.offset).encode()),
+    ]
+
+
+def publish(bootstrap: str, topic: str, letters: Sequence[DeadLetter]) -> int:
+    """Send dead letters written to the table to the dead-letter topic too (its mirror); returns how many."""
+    from kafka import KafkaProducer
+
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", client_id="undertow-dlq")
+    try:
+        futures = [producer.send(topic, key=dl.key, value=dl.value, headers=topic_headers(dl)) for dl in letters]
+        producer.flush()
+        for fut in futures:
+            fut.get(timeout=30)
+    finally:
+        producer.close(timeout=5)
+    return len(letters)

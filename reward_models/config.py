@@ -10,6 +10,14 @@ Default composite weights, and why (see :mod:`reward_models.labels`):
   code; they are collected and reported, but do not steer the policy unless a team opts in.
 - ``churn`` 0.0: user level, high bias (users leave for many reasons) and low variance; opt in.
 - judge dimensions 0.0: an LLM judge is another model's opinion; off until a team configures it.
+
+How much one user can weigh (:mod:`reward_models.robust`): ``max_user_share`` 0.05. On the
+synthetic data (40 users with similar volumes) it changes nothing on clean data (held-out AUC
++0.0002 over 8 seeds), while one account with as many sessions as everyone else together, all
+of its signals inverted, moves the held-out AUC by about 0.01 instead of 0.25 or more. A
+cap of 0.02 already costs clean AUC (-0.002 composite, -0.006 retention head at 40 users;
+-0.009 and -0.023 with heavy-tailed volumes at 100 users), because it down-weights honest
+heavy users. With fewer than 20 users the cap is ``1 / users`` (equal shares). 1.0 turns it off.
 """
 
 from __future__ import annotations
@@ -76,6 +84,12 @@ class RewardsConfig(BaseModel):
     """Composite reward weights per signal (judge dimensions as ``judge:<name>``); see module docstring."""
     judge: JudgeConfig = Field(default_factory=JudgeConfig)
     """Optional LLM judge signal."""
+
+    # Robustness: how much one user can weigh (reward_models.robust)
+    require_session_user: bool = True
+    """Labels ignore a signal naming a user other than its session's (counted: ``foreign_user_signals``)."""
+    max_user_share: float = Field(default=0.05, gt=0.0, le=1.0)
+    """Most of a head's training weight one user's sessions or pairs may carry (at least 1/users); 1.0: no cap."""
 
     # Models
     backend: Literal["sklearn", "torch"] = "sklearn"

@@ -9,8 +9,9 @@ its payload. Times are timezone-aware UTC, as the ingest tables' columns return 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
@@ -210,3 +211,33 @@ def session_records(events: Sequence[dict[str, Any]]) -> pd.DataFrame:
             }
         )
     return pd.DataFrame.from_records(records, columns=SESSION_COLUMNS)
+
+
+def signal_records(events: Sequence[dict[str, Any]]) -> pd.DataFrame:
+    """Signal frame (:data:`SIGNAL_COLUMNS`) from contract envelopes (plain dicts), no database.
+
+    What :func:`load_signals` would return after ingest stored ``events``: each envelope is
+    validated against the contract and turned into its ``signals`` row by ingest's own
+    :func:`~ingest.rows.signal_row`; ``session.completed`` envelopes are skipped; an ``event_id``
+    seen before counts once (the first, as ingest keeps it). Ordered by ``occurred_at``, then ``event_id``.
+    """
+    from ingest.rows import signal_row
+    from ingest.schemas import validate_event
+
+    records = []
+    seen: set[str] = set()
+    received = datetime.now(UTC)
+    for raw in events:
+        if raw.get("type") == "session.completed" or raw.get("event_id") in seen:
+            continue
+        row = signal_row(validate_event(raw), received)
+        seen.add(row["event_id"])
+        payload = json.loads(row["payload"]) if isinstance(row["payload"], str) else row["payload"]
+        records.append(
+            {**{c: row.get(c) for c in SIGNAL_COLUMNS}, "payload": payload if isinstance(payload, dict) else {}}
+        )
+    if not records:
+        return pd.DataFrame({c: pd.Series(dtype=object) for c in SIGNAL_COLUMNS})
+    frame = pd.DataFrame.from_records(records, columns=SIGNAL_COLUMNS)
+    frame["occurred_at"] = pd.to_datetime(frame["occurred_at"], utc=True)
+    return frame.sort_values(["occurred_at", "event_id"], kind="stable").reset_index(drop=True)

@@ -11,6 +11,11 @@ late, repeated or early signals change exactly what they should:
   only measured horizons, and a session is *final* only once its longest configured horizon was
   measured or has elapsed plus a grace period. Training uses final labels by default.
 
+Only the user a session was served to labels it: a signal naming another user is ignored and
+counted (``foreign_user_signals``; ``rewards.require_session_user``). The gateway refuses such
+signals; this holds for a direct producer and for rows stored before it did. A signal that names
+no user counts as before.
+
 Churn is user level and high-bias/low-variance (users leave for reasons unrelated to any one
 answer), so it is optional (weight 0 by default). Thumbs are collected but weighted 0 by
 default: explicit ratings reward agreeable, flattering answers (sycophancy) more than code that
@@ -287,6 +292,44 @@ def session_wide(sessions: pd.DataFrame, signals: pd.DataFrame) -> pd.DataFrame:
     return merged.sort_values(["occurred_at", "event_id"], kind="stable").reset_index(drop=True)
 
 
+def signal_targets(signals: pd.DataFrame) -> pd.Series:
+    """The session each signal is about: ``payload.chosen_session_id`` for a selection, else ``session_id``."""
+    if signals.empty:
+        return pd.Series(dtype=object, index=signals.index)
+    target = signals["session_id"].astype(object)
+    chosen = signals["payload"].map(lambda p: p.get("chosen_session_id") if isinstance(p, dict) else None)
+    is_selection = (signals["type"] == "candidate.selected") & chosen.notna()
+    return target.where(~is_selection, chosen)
+
+
+def foreign_user_mask(sessions: pd.DataFrame, signals: pd.DataFrame) -> pd.Series:
+    """True for a signal that names a user other than the one its session was served to.
+
+    The session is :func:`signal_targets`' (a stored turn, or an agent session through its turns).
+    A signal without ``user_id``, about an unknown session, or about a session without a user is
+    not foreign; ``user.churned`` names no session and stays user level.
+    """
+    if signals.empty or "user_id" not in signals or "user_id" not in sessions:
+        return pd.Series(False, index=signals.index, dtype=bool)
+    owner = sessions.dropna(subset=["user_id"]).drop_duplicates("session_id").set_index("session_id")["user_id"]
+    if "agent_session" in sessions:
+        turns = sessions.dropna(subset=["user_id", "agent_session"]).drop_duplicates("agent_session")
+        agent_owner = turns.set_index("agent_session")["user_id"]
+        owner = pd.concat([owner, agent_owner[~agent_owner.index.isin(owner.index)]])
+    served_to = signal_targets(signals).map(owner)
+    named = signals["user_id"]
+    foreign = named.notna() & served_to.notna() & (named.astype(str) != served_to.astype(str))
+    return foreign.astype(bool)
+
+
+def own_user_signals(sessions: pd.DataFrame, signals: pd.DataFrame) -> tuple[pd.DataFrame, int]:
+    """``signals`` without the foreign-user ones (:func:`foreign_user_mask`), and how many were dropped."""
+    foreign = foreign_user_mask(sessions, signals)
+    if not foreign.any():
+        return signals, 0
+    return signals[~foreign].reset_index(drop=True), int(foreign.sum())
+
+
 def build_labels(
     sessions: pd.DataFrame,
     signals: pd.DataFrame,
@@ -294,8 +337,15 @@ def build_labels(
     now: datetime,
     judge_scores: pd.DataFrame | None = None,
 ) -> LabelSet:
-    """All labels for ``sessions`` as of ``now`` (signals whose session is unknown are counted, not used)."""
+    """All labels for ``sessions`` as of ``now`` (signals whose session is unknown are counted, not used).
+
+    With ``config.require_session_user`` (the default) a signal naming a user other than its
+    session's is ignored and counted in ``skipped["foreign_user_signals"]``: only the user a
+    session was served to labels it.
+    """
     skipped: dict[str, int] = {}
+    if config.require_session_user:
+        signals, skipped["foreign_user_signals"] = own_user_signals(sessions, signals)
     signals = session_wide(sessions, signals)
     if not signals.empty:
         scoped = signals[

@@ -142,8 +142,10 @@ class PrivilegedModel:
     def __init__(self, config: RewardsConfig) -> None:
         self.clf = LogisticRegression(C=1.0, max_iter=200, random_state=config.seed)
 
-    def fit(self, completion: pd.Series, final: pd.Series, y: np.ndarray) -> PrivilegedModel:
-        self.clf.fit(closeness_features(completion, final), y)
+    def fit(
+        self, completion: pd.Series, final: pd.Series, y: np.ndarray, weight: np.ndarray | None = None
+    ) -> PrivilegedModel:
+        self.clf.fit(closeness_features(completion, final), y, sample_weight=weight)
         return self
 
     def score(self, completion: pd.Series, final: pd.Series) -> np.ndarray:

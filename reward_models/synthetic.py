@@ -13,7 +13,9 @@ wrong answers, so its mean logprob is an informative but weaker baseline.
 
 :func:`generate_events` builds contract-valid envelopes (CONTRACTS.md section 1) for the
 database path; :func:`synthetic_frame` draws the same distribution vectorized as frames, for
-the benchmark at 1M sessions.
+the benchmark at 1M sessions. :func:`adversarial_events` and :func:`foreign_signals` are the
+attacks of the poisoning tests and benchmark: an account that inverts every signal about its
+own sessions, and signals about sessions served to someone else.
 """
 
 from __future__ import annotations
@@ -266,6 +268,103 @@ def generate_events(
         events.append(_env("user.churned", None, now - timedelta(days=1), {"inactive_days": 14}, f"u-{user_idx}"))
     truth = pd.DataFrame({"session_id": ids, "utility": d.utility, "correct": d.correct, "padding": d.padding})
     return events, truth
+
+
+def adversarial_events(
+    n_sessions: int,
+    *,
+    user: str,
+    seed: int = 0,
+    start: datetime | None = None,
+    span_s: float = 7 * 86400.0,
+    now: datetime | None = None,
+    group_fraction: float = 0.5,
+) -> tuple[list[dict[str, Any]], pd.DataFrame]:
+    """An attacker's account: ``n_sessions`` served to ``user`` legitimately, every signal about them inverted.
+
+    The sessions are :func:`generate_events`' (ids prefixed with ``user``, so they never collide
+    with honest ones); then retention keeps what honest users rewrite (``lines_retained`` becomes
+    ``lines_written - lines_retained``), edits are accepted where they were rejected and the other
+    way round, thumbs flip, each selection picks the *worst* candidate by hidden utility, the model
+    is "left" after clearly good answers (utility >= 1.5) instead of bad ones, and no churn is sent.
+    Every signal names ``user``. Returns the envelopes and the hidden truth (as :func:`generate_events`).
+    """
+    events, truth = generate_events(
+        n_sessions,
+        seed=seed,
+        start=start,
+        span_s=span_s,
+        now=now,
+        group_fraction=group_fraction,
+        policy_versions=1,
+        users=1,
+    )
+    prefix = f"{user}:"
+    truth["session_id"] = prefix + truth["session_id"]
+    utility = dict(zip(truth["session_id"], truth["utility"], strict=True))
+    completion: dict[str, str] = {}
+    out: list[dict[str, Any]] = []
+    for env in events:
+        kind, p = env["type"], env["payload"]
+        if kind in ("user.churned", "model.switched", "candidate.selected"):
+            continue
+        env["user_id"] = user
+        if env.get("session_id") is not None:
+            env["session_id"] = prefix + env["session_id"]
+        if "group_id" in p:
+            p["group_id"] = prefix + p["group_id"]
+        sid = str(env.get("session_id") or "")
+        if kind == "session.completed":
+            completion[sid] = "".join(str(x.get("text") or "") for x in p["segments"] if x["role"] == "assistant")
+            if utility[sid] >= 1.5:
+                at = datetime.fromisoformat(env["occurred_at"]) + timedelta(seconds=60)
+                switch = {"from_model": "undertow-policy", "to_model": "other"}
+                out.append(_env("model.switched", sid, at, switch, user))
+        elif kind == "code.retained":
+            p["lines_retained"] = p["lines_written"] - p["lines_retained"]
+            lines = completion[sid].splitlines()
+            kept = p["lines_retained"]
+            p["final_text"] = "\n".join(lines[:kept] + ["    # edited by the user"] * (p["lines_written"] - kept))
+        elif kind in ("edit.accepted", "edit.rejected"):
+            env["type"] = "edit.rejected" if kind == "edit.accepted" else "edit.accepted"
+            p["edit_id"] = prefix + p["edit_id"]
+        elif kind == "feedback.thumbs":
+            p["value"] = -p["value"]
+        elif kind == "candidates.shown":
+            p["session_ids"] = [prefix + x for x in p["session_ids"]]
+            worst = min(p["session_ids"], key=lambda x: utility[x])
+            at = datetime.fromisoformat(env["occurred_at"]) + timedelta(seconds=3)
+            out.append(env)
+            env = _env("candidate.selected", worst, at, {"group_id": p["group_id"], "chosen_session_id": worst}, user)
+        out.append(env)
+    return out, truth
+
+
+def foreign_signals(
+    events: list[dict[str, Any]], session_ids: list[str], *, user: str, at: datetime
+) -> list[dict[str, Any]]:
+    """Signals ``user`` sends about *other* users' sessions: nothing retained, the edit rejected, thumbs down.
+
+    For each of ``session_ids`` (sessions in ``events``), dated ``at`` (later than the honest
+    signals, so that "the latest wins" would let them replace the honest ones) and naming ``user``,
+    who was not served those sessions: what a direct producer or an old row could carry past the
+    gateway's check.
+    """
+    lines = {
+        e["session_id"]: "".join(str(x.get("text") or "") for x in e["payload"]["segments"] if x["role"] == "assistant")
+        for e in events
+        if e["type"] == "session.completed"
+    }
+    out = []
+    for sid in session_ids:
+        written = max(lines[sid].count("\n"), 1)
+        for h in HORIZONS:
+            out.append(
+                _env("code.retained", sid, at, {"horizon_s": h, "lines_written": written, "lines_retained": 0}, user)
+            )
+        out.append(_env("edit.rejected", sid, at, {"edit_id": f"e-{sid}", "lines": written}, user))
+        out.append(_env("feedback.thumbs", sid, at, {"value": -1}, user))
+    return out
 
 
 def synthetic_frame(n: int, *, seed: int = 0, k: int = 3) -> tuple[pd.DataFrame, np.ndarray, pd.DataFrame]:

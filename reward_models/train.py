@@ -10,6 +10,12 @@ baseline and the bundle beats the current version.
 The registered bundle is the one trained on the older part, so the recorded metrics are honest
 hold-out numbers for exactly the artifact that serves. Retraining is cheap (seconds at 100k
 sessions), so it runs routinely on a trigger instead of refitting on everything.
+
+No single user can move a head much: labels use only signals from each session's own user, and
+every head (and the privileged model) weighs its rows so that no user carries more than
+``rewards.max_user_share`` of its training weight (:mod:`reward_models.robust`; the report's
+``extra.user_caps`` says what the cap did per head). :func:`fit_reward_models` is the training
+itself, from frames, without a database or the registry (what tests and benchmarks call).
 """
 
 from __future__ import annotations
@@ -28,8 +34,9 @@ from reward_models import evaluation as ev
 from reward_models import registry
 from reward_models.config import RewardsConfig
 from reward_models.data import load_sessions, load_signals
-from reward_models.labels import build_labels, coverage
+from reward_models.labels import LabelSet, build_labels, coverage, own_user_signals
 from reward_models.models import PrivilegedModel, RewardBundle, setup_pairwise, setup_pointwise
+from reward_models.robust import user_shares, user_weights
 
 log = structlog.get_logger(__name__)
 POINTWISE_HEADS = ("retention", "acceptance")
@@ -94,28 +101,81 @@ def bundle_metrics(
     return out
 
 
-def train_reward_models(
-    engine: Engine,
-    config: RewardsConfig,
-    home: Path,
-    *,
-    now: datetime | None = None,
-    since: datetime | None = None,
-    until: datetime | None = None,
-    resolved_config: dict[str, Any] | None = None,
-) -> TrainReport:
-    """One training run (see module docstring); raises :class:`TrainingDataError` when nothing can be trained.
+@dataclass
+class FitResult:
+    """What :func:`fit_reward_models` trained from frames: the bundle, its hold-out metrics, the data split.
 
-    It trains on the sessions that occurred in ``[since, until)`` (``until`` defaults to ``now``);
-    their labels use every signal that arrived by ``now``, late ones included.
+    ``frame``: every session with text and its labels (index ``session_id``); ``train`` / ``test``:
+    its older part and its newest ``holdout_fraction`` (by time); ``test_pairs``: selection pairs
+    with both sessions in ``test``. ``user_caps``: per head, how many users trained it, how many
+    the per-user cap down-weighted, and the heaviest user's share before and after.
     """
-    now = now or datetime.now(UTC)
-    sessions = load_sessions(engine, since=since, until=min(until, now) if until else now)
+
+    bundle: RewardBundle
+    metrics: dict[str, Any]
+    skipped_heads: dict[str, str]
+    skipped: dict[str, int]
+    labels: LabelSet
+    frame: pd.DataFrame
+    train: pd.DataFrame
+    test: pd.DataFrame
+    test_pairs: pd.DataFrame
+    cutoff: datetime
+    n_labeled: int
+    user_caps: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+def _user_cap(users: np.ndarray, base: np.ndarray | None, config: RewardsConfig) -> tuple[np.ndarray, dict[str, float]]:
+    """Training weights under ``config.max_user_share`` and what the cap did (for the report)."""
+    before = np.ones(len(users)) if base is None else np.asarray(base, dtype=np.float64)
+    after = user_weights(users, config.max_user_share, before)
+    if not len(users):
+        return after, {"users": 0, "capped_users": 0, "top_share_before": 0.0, "top_share_after": 0.0}
+    share_before, share_after = user_shares(users, before), user_shares(users, after)
+    ratio = (share_after / share_before.reindex(share_after.index)).to_numpy()
+    return after, {
+        "users": len(share_before),
+        "capped_users": int(np.sum(ratio < 1.0 - 1e-9)),
+        "top_share_before": float(share_before.iloc[0]),
+        "top_share_after": float(share_after.iloc[0]),
+    }
+
+
+def fit_reward_models(
+    sessions: pd.DataFrame,
+    signals: pd.DataFrame,
+    config: RewardsConfig,
+    now: datetime,
+    *,
+    judge_scores: pd.DataFrame | None = None,
+) -> FitResult:
+    """Label, split, fit and evaluate every head from frames, without a database or the registry.
+
+    ``sessions``: columns :data:`reward_models.data.SESSION_COLUMNS` (from
+    :func:`~reward_models.data.load_sessions`, or :func:`~reward_models.data.session_records` over
+    ``session.completed`` envelopes); ``signals``: columns :data:`reward_models.data.SIGNAL_COLUMNS`
+    (from :func:`~reward_models.data.load_signals`, or :func:`~reward_models.data.signal_records`).
+    Labels use every signal in ``signals`` as of ``now``. Sessions without completion text are
+    dropped (counted); the newest ``config.holdout_fraction`` of the labeled sessions is the
+    hold-out of ``metrics``. The defenses against a few adversarial users are settings:
+    ``config.require_session_user`` (labels ignore signals naming another user than the session's)
+    and ``config.max_user_share`` (no user carries more of a head's training weight; 1.0: off).
+
+    To measure a trained model on data of your own (e.g. clean sessions of other users, later in
+    time)::
+
+        fit = fit_reward_models(sessions, signals, RewardsConfig(), now)
+        scores = fit.bundle.score(clean_sessions)                 # composite, log-odds scale
+        keep = fit.bundle.heads["retention"].score(clean_sessions)  # one head
+        auc = reward_models.evaluation.auc(clean_labels, scores)
+
+    Raises :class:`TrainingDataError` when nothing can be trained. :func:`train_reward_models`
+    is this plus loading, the LLM judge, the comparison with the promoted version and the registry.
+    """
     if sessions.empty:
-        raise TrainingDataError(
-            "No sessions in the training window: ingest telemetry first (`undertow ingest --once`), "
-            "or widen the window."
-        )
+        raise TrainingDataError("No sessions to train on.")
+    sessions = sessions.copy()
+    sessions["occurred_at"] = pd.to_datetime(sessions["occurred_at"], utc=True)
     skipped: dict[str, int] = {"sessions_total": len(sessions)}
     no_text = sessions["completion_text"].fillna("").str.strip() == ""
     skipped["sessions_without_text"] = int(no_text.sum())
@@ -123,13 +183,6 @@ def train_reward_models(
     sessions = sessions[~no_text].reset_index(drop=True)
     if sessions.empty:
         raise TrainingDataError("Every session in the window lacks completion text; nothing to learn from.")
-    signals = load_signals(engine)
-    extra: dict[str, Any] = {}
-    judge_scores = None
-    if config.judge.enabled:
-        from reward_models.judge import judge_sessions
-
-        judge_scores, extra["judge"] = judge_sessions(engine, sessions, config.judge)
     labels = build_labels(sessions, signals, config, now, judge_scores)
     skipped.update(labels.skipped)
     frame = sessions.set_index("session_id").join(labels.sessions)
@@ -158,6 +211,7 @@ def train_reward_models(
     heads: dict[str, Any] = {}
     skipped_heads: dict[str, str] = {}
     metrics: dict[str, Any] = {}
+    user_caps: dict[str, dict[str, float]] = {}
     for name in POINTWISE_HEADS:
         tr = train[train[name].notna() & (train["retention_final"] if name == "retention" else True)]
         te = test[test[name].notna() & (test["retention_final"] if name == "retention" else True)]
@@ -169,7 +223,8 @@ def train_reward_models(
             skipped_heads[name] = f"training labels are a single class ({int(y_tr[0])}) in {len(tr)} sessions"
             continue
         log.info("training head", head=name, rows=len(tr), backend=config.backend)
-        head = setup_pointwise(config).fit(tr.reset_index(), y_tr)
+        weight, user_caps[name] = _user_cap(tr["user_id"].to_numpy(dtype=object), None, config)
+        head = setup_pointwise(config).fit(tr.reset_index(), y_tr, weight)
         y_te = (te[name].to_numpy() >= config.positive_threshold).astype(int)
         logit = head.score(te.reset_index()) if len(te) else np.zeros(0)
         metrics[name] = ev.pointwise_report(y_te, logit, te["mean_logprob"].to_numpy(dtype=float), float(y_tr.mean()))
@@ -186,11 +241,13 @@ def train_reward_models(
     else:
         pos = pd.Series(np.arange(len(train)), index=train.index)
         log.info("training head", head="selection", pairs=len(train_pairs), backend=config.backend)
+        chooser = train["user_id"].loc[train_pairs["chosen"]].to_numpy(dtype=object)  # who selected
+        weight, user_caps["selection"] = _user_cap(chooser, train_pairs["weight"].to_numpy(dtype=float), config)
         head = setup_pairwise(config).fit(
             train.reset_index(),
             pos.loc[train_pairs["chosen"]].to_numpy(),
             pos.loc[train_pairs["rejected"]].to_numpy(),
-            train_pairs["weight"].to_numpy(dtype=float),
+            weight,
         )
         lp = test["mean_logprob"]
         tscore = pd.Series(head.score(test.reset_index()) if len(test) else np.zeros(0), index=test.index)
@@ -214,8 +271,62 @@ def train_reward_models(
     bundle = RewardBundle(
         heads=heads, weights=weights, meta={"trained_at": now.isoformat(), "cutoff": cutoff.isoformat()}
     )
-    bundle.privileged, metrics["privileged"] = _train_privileged(train, test, signals, config)
+    own = own_user_signals(frame.reset_index(), signals)[0] if config.require_session_user else signals
+    bundle.privileged, metrics["privileged"], privileged_cap = _train_privileged(train, test, own, config)
+    if privileged_cap:
+        user_caps["privileged"] = privileged_cap
     metrics["bundle"] = bundle_metrics(bundle, test.reset_index(), test_pairs, config.positive_threshold)
+    return FitResult(
+        bundle=bundle,
+        metrics=metrics,
+        skipped_heads=skipped_heads,
+        skipped=skipped,
+        labels=labels,
+        frame=frame,
+        train=train,
+        test=test,
+        test_pairs=test_pairs,
+        cutoff=cutoff,
+        n_labeled=len(labeled),
+        user_caps=user_caps,
+    )
+
+
+def train_reward_models(
+    engine: Engine,
+    config: RewardsConfig,
+    home: Path,
+    *,
+    now: datetime | None = None,
+    since: datetime | None = None,
+    until: datetime | None = None,
+    resolved_config: dict[str, Any] | None = None,
+) -> TrainReport:
+    """One training run (see module docstring); raises :class:`TrainingDataError` when nothing can be trained.
+
+    It trains on the sessions that occurred in ``[since, until)`` (``until`` defaults to ``now``);
+    their labels use every signal that arrived by ``now``, late ones included. The training
+    itself is :func:`fit_reward_models`.
+    """
+    now = now or datetime.now(UTC)
+    sessions = load_sessions(engine, since=since, until=min(until, now) if until else now)
+    if sessions.empty:
+        raise TrainingDataError(
+            "No sessions in the training window: ingest telemetry first (`undertow ingest --once`), "
+            "or widen the window."
+        )
+    signals = load_signals(engine)
+    extra: dict[str, Any] = {}
+    judge_scores = None
+    with_text = sessions[sessions["completion_text"].fillna("").str.strip() != ""].reset_index(drop=True)
+    if config.judge.enabled and not with_text.empty:
+        from reward_models.judge import judge_sessions
+
+        judge_scores, extra["judge"] = judge_sessions(engine, with_text, config.judge)
+    fit = fit_reward_models(sessions, signals, config, now, judge_scores=judge_scores)
+    extra["user_caps"] = fit.user_caps
+    metrics, frame, test, test_pairs, cutoff = fit.metrics, fit.frame, fit.test, fit.test_pairs, fit.cutoff
+    bundle, heads = fit.bundle, fit.bundle.heads
 
     current = registry.current_promoted(engine)
     current_primary: float | None = None
@@ -244,7 +355,7 @@ def train_reward_models(
         status=status,
         reason=reason,
         window=window,
-        n_labeled=len(labeled),
+        n_labeled=fit.n_labeled,
         primary_metric=metrics["bundle"]["primary"],
         config=resolved_config or config.model_dump(mode="json"),
         metrics=_jsonable(metrics),
@@ -261,14 +372,14 @@ def train_reward_models(
         current_primary_metric=current_primary,
         metrics=_jsonable(metrics),
         heads=sorted(heads),
-        skipped_heads=skipped_heads,
-        skipped=skipped,
-        coverage=_jsonable(coverage(labels.sessions, config.weights)),
-        position_bias=labels.position,
+        skipped_heads=fit.skipped_heads,
+        skipped=fit.skipped,
+        coverage=_jsonable(coverage(fit.labels.sessions, config.weights)),
+        position_bias=fit.labels.position,
         window={"start": window[0].isoformat(), "end": window[1].isoformat(), "holdout_from": cutoff.isoformat()},
-        n_train=len(train),
+        n_train=len(fit.train),
         n_holdout=len(test),
-        extra=extra,
+        extra=_jsonable(extra),
     )
 
 
@@ -325,18 +436,19 @@ def _final_texts(signals: pd.DataFrame) -> pd.Series:
 
 def _train_privileged(
     train: pd.DataFrame, test: pd.DataFrame, signals: pd.DataFrame, config: RewardsConfig
-) -> tuple[PrivilegedModel | None, dict[str, Any]]:
-    """Fit the privileged (final_text-aware) retention model; for labeling and audit only."""
+) -> tuple[PrivilegedModel | None, dict[str, Any], dict[str, float]]:
+    """Fit the privileged (final_text-aware) retention model; for labeling and audit only (user-capped too)."""
     final = _final_texts(signals)
     tr = train[train["retention_final"].astype(bool) & train.index.isin(final.index)]
     te = test[test["retention_final"].astype(bool) & test.index.isin(final.index)]
     y_tr = (tr["retention"].to_numpy() >= config.positive_threshold).astype(int)
     if len(tr) < config.min_train_rows or len(np.unique(y_tr)) < 2:
-        return None, {"skipped": f"{len(tr)} sessions with final_text and a final label (need both classes)"}
-    model = PrivilegedModel(config).fit(tr["completion_text"], final.loc[tr.index], y_tr)
+        return None, {"skipped": f"{len(tr)} sessions with final_text and a final label (need both classes)"}, {}
+    weight, cap = _user_cap(tr["user_id"].to_numpy(dtype=object), None, config)
+    model = PrivilegedModel(config).fit(tr["completion_text"], final.loc[tr.index], y_tr, weight)
     y_te = (te["retention"].to_numpy() >= config.positive_threshold).astype(int)
     scores = model.score(te["completion_text"], final.loc[te.index]) if len(te) else np.zeros(0)
-    return model, {"auc": ev.auc(y_te, scores), "n": len(te), "serving": False}
+    return model, {"auc": ev.auc(y_te, scores), "n": len(te), "serving": False}, cap
 
 
 def _jsonable(obj: Any) -> Any:

@@ -55,6 +55,34 @@ class GatewayConfig(BaseModel):
     """Events held in memory before they spill to disk."""
     signal_max_skew_s: float = Field(default=300.0, ge=0)
     """A signal whose ``occurred_at`` is later than the gateway's clock plus this is refused (422)."""
+    require_keys: bool = True
+    """Clients must present an API key (``undertow gateway-keys create``); off only on a closed test bench."""
+    key_refresh_s: float = Field(default=5.0, gt=0)
+    """How often the gateway re-reads its keys: a created or revoked key takes effect within this."""
+    metrics_key: str | None = None
+    """A key, held in the settings, that may read ``/gateway/metrics`` (the loop's deployer sends it); keys in
+    the database with the ``metrics`` scope may too."""
+    signing_key_id: str = "gateway"
+    """The id, among ``ingest.signing_keys``, of the key the gateway signs its telemetry with (unsigned when
+    absent)."""
+    client_rate_per_s: float = Field(default=200.0, gt=0)
+    """Requests plus signals per second one client key may send (a key's own ``rate_per_s`` overrides it)."""
+    client_burst: float = Field(default=400.0, ge=1)
+    """Requests a client may send at once before its rate applies."""
+    user_rate_per_s: float = Field(default=2.0, gt=0)
+    """Completions per second one user may ask for."""
+    user_burst: float = Field(default=30.0, ge=1)
+    """Completions a user may ask for at once before their rate applies."""
+    user_signal_rate_per_s: float = Field(default=1.0, gt=0)
+    """Signals per second one user may send."""
+    user_signal_burst: float = Field(default=60.0, ge=1)
+    """Signals a user may send at once before their rate applies."""
+    gate_signals_per_user: int = Field(default=3, ge=0)
+    """In the acceptance the deployment gate reads, one user's signals count at most this many times per
+    version (a mean of per-user means, weighted by ``min(signals, this)``); 0 counts every signal."""
+    gate_trim_users: float = Field(default=0.05, ge=0, lt=0.5)
+    """Share of users with the highest, and the same with the lowest, acceptance left out of the gate's mean
+    (at least one each from five judged users on): a user alone at an extreme cannot move it."""
 
 
 class FleetConfig(BaseModel):

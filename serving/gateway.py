@@ -21,13 +21,20 @@ replicas, whole or streamed.
   thumbs, ...) is validated against the wire schema, checked by :mod:`serving.trust` (not dated
   in the future, from the session's own user, each ``event_id`` once) and forwarded to Kafka.
 - ``GET /gateway/metrics``: per-version request counts, error rates, latency and the
-  acceptance proxy, which the deployer's gate reads.
+  acceptance proxy, which the deployer's gate reads. In it, one user's signals count at most
+  ``gate_signals_per_user`` times per version and the most extreme users are trimmed
+  (``gate_trim_users``): a handful of accounts cannot carry the gate.
+- Clients authenticate with an API key per client integration (:mod:`serving.keys`; ``Authorization:
+  Bearer ugw_...``, what the ``openai`` SDK sends as ``api_key``), unless the gateway is built
+  without a key ring. Each client and each user has a rate (:mod:`serving.ratelimit`); beyond it,
+  429 with ``Retry-After``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import time
 import uuid
 from collections import Counter, defaultdict, deque
@@ -43,16 +50,19 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ConfigDict, Field, ValidationError
 from sqlalchemy.engine import Engine
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from serving import relay, turns
 from serving.client import EngineClient, EngineError, error_message
 from serving.config import FleetConfig, GatewayConfig
 from serving.engine import openai_error, validation_message
 from serving.fleet import Replica
+from serving.keys import ClientKey, KeyRing
 from serving.limits import BodyLimit
 from serving.protocol import ChatCompletionRequest, CompletionRequest
+from serving.ratelimit import Buckets
 from serving.telemetry import TelemetryEmitter
-from serving.trust import SignalTrust
+from serving.trust import Refusal, SignalTrust
 from serving.turns import MAX_SESSION_ID
 
 log = structlog.get_logger(__name__)
@@ -61,6 +71,8 @@ ReplicaSource = Callable[[], Awaitable[list[Replica]]]
 """Returns the replicas in rotation (static list, or the registry)."""
 
 ACCEPT_TYPES = {"edit.accepted": 1.0, "edit.rejected": 0.0}
+OPEN = ClientKey("anonymous", ("serve", "metrics"))
+"""Who calls a gateway built without a key ring (tests, a development stack)."""
 STREAM_BROKEN = (
     b'data: {"error":{"message":"the engine stream broke; retry the request","type":"BadGatewayError","code":502}}\n\n'
 )
@@ -104,13 +116,45 @@ def static_replicas(urls: list[str], version: str | None = None) -> ReplicaSourc
 
 @dataclass
 class VersionStats:
-    """Online metrics of one policy version (what the deployment gate compares)."""
+    """Online metrics of one policy version (what the deployment gate compares).
+
+    The acceptance is robust to a few users: each user's signals are averaged first, and a user
+    weighs ``min(signals, per_user_cap)`` (one account sending many signals weighs no more than
+    ``cap`` honest ones); then the ``trim`` share of users with the highest means and the same share
+    with the lowest (at least one each, from five users on; among users tied at an extreme, the
+    heaviest first) are left out. ``per_user_cap`` 0 gives
+    the plain mean of all signals.
+    """
 
     requests: int = 0
     errors: int = 0
     latencies_ms: deque[float] = field(default_factory=lambda: deque(maxlen=2000))
     accepts: float = 0.0
     judged: int = 0
+    per_user: dict[str, list[float]] = field(default_factory=dict)
+    per_user_cap: int = 0
+    trim: float = 0.05
+
+    def judge(self, user: str | None, value: float) -> None:
+        """Count one acceptance signal of ``user`` (None: a user the gateway does not know)."""
+        self.accepts += value
+        self.judged += 1
+        entry = self.per_user.setdefault(user or "", [0.0, 0.0])
+        entry[0] += value
+        entry[1] += 1
+
+    def acceptance(self) -> float | None:
+        """The robust acceptance (see the class docstring); the plain mean when the cap is off."""
+        if not self.judged:
+            return None
+        if self.per_user_cap <= 0:
+            return self.accepts / self.judged
+        users = [(total / count, min(count, self.per_user_cap)) for total, count in self.per_user.values()]
+        k = max(1, math.floor(self.trim * len(users))) if len(users) >= 5 else 0
+        if k:  # among users tied at an extreme, the heaviest go first
+            users = sorted(users, key=lambda u: (u[0], -u[1]))[k:]
+            users = sorted(users, key=lambda u: (u[0], u[1]))[:-k]
+        return sum(mean * w for mean, w in users) / sum(w for _, w in users)
 
     def summary(self) -> dict[str, Any]:
         lat = sorted(self.latencies_ms)
@@ -119,8 +163,10 @@ class VersionStats:
             "errors": self.errors,
             "error_rate": self.errors / self.requests if self.requests else 0.0,
             "latency_ms_p50": lat[len(lat) // 2] if lat else None,
-            "acceptance": self.accepts / self.judged if self.judged else None,
+            "acceptance": self.acceptance(),
+            "acceptance_raw": self.accepts / self.judged if self.judged else None,
             "judged": self.judged,
+            "judged_users": len(self.per_user),
         }
 
 
@@ -129,18 +175,80 @@ class Gateway:
     (the app wraps this)."""
 
     def __init__(
-        self, source: ReplicaSource, emitter: TelemetryEmitter | None, config: GatewayConfig, model_name: str
+        self,
+        source: ReplicaSource,
+        emitter: TelemetryEmitter | None,
+        config: GatewayConfig,
+        model_name: str,
+        keys: KeyRing | None = None,
     ) -> None:
         self.source = source
         self.emitter = emitter
         self.config = config
         self.model_name = model_name
+        self.keys = keys
         self.http = httpx.AsyncClient(timeout=config.request_timeout_s, limits=httpx.Limits(max_connections=256))
         self.inflight: dict[str, int] = defaultdict(int)
-        self.stats: dict[str, VersionStats] = defaultdict(VersionStats)
+        self.stats: dict[str, VersionStats] = defaultdict(
+            lambda: VersionStats(per_user_cap=config.gate_signals_per_user, trim=config.gate_trim_users)
+        )
         self.errors: Counter[str] = Counter()
         self.trust = SignalTrust(config.signal_max_skew_s)
+        self.client_rate = Buckets(config.client_rate_per_s, config.client_burst)
+        self.user_rate = Buckets(config.user_rate_per_s, config.user_burst)
+        self.signal_rate = Buckets(config.user_signal_rate_per_s, config.user_signal_burst)
         self._rr = itertools.count()
+
+    async def authorize(self, authorization: str | None, scope: str) -> ClientKey | JSONResponse:
+        """The client behind a request's ``Authorization`` header, or the refusal to send (401, 403, 429)."""
+        if self.keys is None:
+            return OPEN
+        scheme, _, key = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            return self.fail(
+                401,
+                "missing API key: send Authorization: Bearer <key> (ask an operator for a gateway key)",
+                "AuthenticationError",
+            )
+        client = await self.keys.lookup(key.strip())
+        if client is None:
+            return self.fail(401, "unknown or revoked API key", "AuthenticationError")
+        if scope not in client.scopes:
+            return self.fail(403, f"key {client.name} lacks the {scope!r} scope", "PermissionDeniedError")
+        wait = self.client_rate.take(client.name, client.rate_per_s)
+        if wait:
+            return self.limited(wait, f"client {client.name} is over its rate")
+        return client
+
+    def limited(self, wait_s: float, why: str) -> JSONResponse:
+        """A 429 with ``Retry-After``, counted as ``RateLimitError``."""
+        response = self.fail(429, f"{why}; retry in {wait_s:.1f} s", "RateLimitError")
+        response.headers["retry-after"] = Buckets.retry_after(wait_s)
+        return response
+
+    def refuse(self, refusal: Refusal) -> JSONResponse:
+        """A trust refusal as an error answer, counted by its kind."""
+        return self.fail(refusal.status, refusal.message, refusal.kind)
+
+    def _user(self, client: ClientKey, named: str | None, session: str | None) -> str | JSONResponse | None:
+        """The user a request is served to: the key's own user, else the one the body names; refused
+        when the body names another user than the key's, the session belongs to another user, or
+        the user is over their rate."""
+        user = named
+        if client.user_id is not None:
+            if named not in (None, client.user_id):
+                return self.fail(
+                    403, f"this key speaks for user {client.user_id} only, not {named}", "PermissionDeniedError"
+                )
+            user = client.user_id
+        refusal = self.trust.claim(session, user)
+        if refusal is not None:
+            return self.refuse(refusal)
+        if user is not None:
+            wait = self.user_rate.take(f"{client.name}\x00{user}")
+            if wait:
+                return self.limited(wait, f"user {user} is over their request rate")
+        return user
 
     async def pick(self, exclude: set[str]) -> Replica | None:
         reps = [r for r in await self.source() if r.id not in exclude]
@@ -165,7 +273,9 @@ class Gateway:
         self.errors[kind] += 1
         return openai_error(status, message, kind)
 
-    async def complete(self, req: GatewayRequest, session_header: str | None = None) -> Response:
+    async def complete(
+        self, req: GatewayRequest, session_header: str | None = None, client: ClientKey = OPEN
+    ) -> Response:
         """``/v1/completions``: one user request, whole or streamed (its session id from the body,
         else the ``x-session-id`` header)."""
         k = req.candidates or req.n
@@ -180,10 +290,14 @@ class Gateway:
         session = req.session_id or session_header
         if session is not None and not 0 < len(session) <= turns.MAX_SESSION_ID:
             return self.fail(400, f"a session id is 1 to {turns.MAX_SESSION_ID} characters")
+        user = self._user(client, req.user, session)
+        if isinstance(user, JSONResponse):
+            return user
         base, _, group_id = turns.link(session, None, k)
         served = turns.Request(
             model=self.model_name,
-            user=req.user,
+            user=user,
+            client=client.name,
             sampling=self._sampling(req.temperature, req.top_p, req.max_tokens, req.seed),
             prompt_text=req.prompt if isinstance(req.prompt, str) else None,
             prompt_token_ids=None if isinstance(req.prompt, str) else list(req.prompt),
@@ -195,7 +309,7 @@ class Gateway:
             return await self._stream("/v1/completions", body, served, k, chat=False, wants=wants)
         return await self._whole("/v1/completions", body, served, k, chat=False, wants=wants)
 
-    async def chat(self, req: GatewayChatRequest, session_header: str | None) -> Response:
+    async def chat(self, req: GatewayChatRequest, session_header: str | None, client: ClientKey = OPEN) -> Response:
         """``/v1/chat/completions``: one turn of a (possibly multi-turn) session, whole or streamed."""
         k = req.candidates or req.n
         if k > self.config.max_candidates:
@@ -206,6 +320,9 @@ class Gateway:
         session = req.linked_session(session_header)
         if session is not None and not 0 < len(session) <= turns.MAX_SESSION_ID:
             return self.fail(400, f"a session id is 1 to {turns.MAX_SESSION_ID} characters")
+        user = self._user(client, req.user, session)
+        if isinstance(user, JSONResponse):
+            return user
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         body = req.model_dump(
             exclude={"user", "session_id", "candidates", "metadata", "model"}, exclude_none=True, mode="json"
@@ -214,7 +331,8 @@ class Gateway:
         base, turn, group_id = turns.link(session, messages, k)
         served = turns.Request(
             model=self.model_name,
-            user=req.user,
+            user=user,
+            client=client.name,
             sampling=self._sampling(req.temperature, req.top_p, req.limit(), req.seed),
             prompt_text=turns.conversation_text(messages),
             messages=messages,
@@ -306,9 +424,9 @@ class Gateway:
 
     def _emit(self, req: turns.Request, served: turns.Served, k: int) -> None:
         session_id = req.session_id(served.index, k)
-        self.trust.served(session_id, req.version, req.user)
+        self.trust.served(session_id, req.version, req.user, req.client)
         if req.session is not None:
-            self.trust.served(req.session, req.version, req.user)
+            self.trust.served(req.session, req.version, req.user, req.client)
         if self.emitter is not None:
             self.emitter.emit(turns.event(req, served, k))
 
@@ -385,38 +503,43 @@ class Gateway:
             for item in served:
                 self._emit(req, item, k)
 
-    def signal(self, raw: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    def signal(self, raw: dict[str, Any], client: ClientKey = OPEN) -> JSONResponse:
         """Validate one signal envelope (event_id/occurred_at filled when absent), check that it can be
-        trusted (:mod:`serving.trust`) and forward it once."""
+        trusted (:mod:`serving.trust`), that its user is within their signal rate, and forward it once."""
         from ingest.schemas import InvalidEvent, validate_event
 
         if raw.get("type") == "session.completed":
-            return 400, _err("session.completed is emitted by the gateway itself; send signals only")
+            return self.fail(400, "session.completed is emitted by the gateway itself; send signals only")
         raw.setdefault("schema_version", 1)
         raw.setdefault("event_id", str(uuid.uuid4()))
         raw.setdefault("occurred_at", datetime.now(UTC).isoformat())
         try:
             event = validate_event(raw)
         except InvalidEvent as exc:
-            return 422, _err(f"invalid signal ({exc.reason}): {exc.detail}")
+            return self.fail(422, f"invalid signal ({exc.reason}): {exc.detail}", "InvalidSignal")
         if self.trust.duplicate(event.event_id):
             self.errors["DuplicateSignal"] += 1
-            return 200, {"accepted": True, "duplicate": True, "event_id": event.event_id}
-        refusal = self.trust.check(raw, event.occurred_at)
+            return JSONResponse({"accepted": True, "duplicate": True, "event_id": event.event_id})
+        named = self.keys is not None
+        refusal = self.trust.check(
+            raw, event.occurred_at, client=client.name if named else None, key_user=client.user_id
+        )
         if refusal is not None:
-            self.errors[refusal.kind] += 1
-            return refusal.status, _err(refusal.message, refusal.kind)
+            return self.refuse(refusal)
         if raw.get("user_id") != event.user_id:  # the served user, filled in by the check
             event = validate_event(raw)
+        wait = self.signal_rate.take(f"{client.name}\x00{event.user_id}") if event.user_id else 0.0
+        if wait:
+            return self.limited(wait, f"user {event.user_id} is over their signal rate")
         self.trust.accepted(event.event_id)
         self._score(event.type, event.session_id, event.payload.model_dump())
         if self.emitter is not None:
             self.emitter.emit(event.model_dump(mode="json", exclude_none=True))
-        return 202, {"accepted": True, "event_id": event.event_id}
+        return JSONResponse({"accepted": True, "event_id": event.event_id}, status_code=202)
 
     def _score(self, kind: str, session_id: str | None, payload: dict[str, Any]) -> None:
         version = self.trust.version(session_id)
-        if version is None:
+        if version is None or session_id is None:
             return
         value: float | None = ACCEPT_TYPES.get(kind)
         if kind == "feedback.thumbs":
@@ -424,8 +547,7 @@ class Gateway:
         elif kind == "code.retained" and payload.get("lines_written"):
             value = payload["lines_retained"] / payload["lines_written"]
         if value is not None:
-            self.stats[version].accepts += value
-            self.stats[version].judged += 1
+            self.stats[version].judge(self.trust.owner(session_id), value)
 
     def metrics(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -435,10 +557,6 @@ class Gateway:
         if self.emitter is not None:
             out["telemetry"] = dict(self.emitter.stats)
         return out
-
-
-def _err(message: str, kind: str = "BadRequestError") -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind}}
 
 
 def _kind(status: int) -> str:
@@ -489,6 +607,7 @@ def create_gateway_app(gateway: Gateway, background: list[Callable[[], Awaitable
         )
 
     app.add_middleware(BodyLimit, limit=limit, refuse=too_large)
+    app.add_middleware(KeyAuth, gateway=gateway)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -505,31 +624,61 @@ def create_gateway_app(gateway: Gateway, background: list[Callable[[], Awaitable
 
     @app.post("/v1/completions", response_model=None)
     async def completions(req: GatewayRequest, request: Request) -> Response:
-        return await gateway.complete(req, request.headers.get(turns.SESSION_HEADER))
+        return await gateway.complete(req, request.headers.get(turns.SESSION_HEADER), request.state.client)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(req: GatewayChatRequest, request: Request) -> Response:
-        return await gateway.chat(req, request.headers.get(turns.SESSION_HEADER))
+        return await gateway.chat(req, request.headers.get(turns.SESSION_HEADER), request.state.client)
 
     @app.post("/v1/signals")
     async def signals(request: Request) -> JSONResponse:
         try:
             raw = await request.json()
         except ValueError:
-            return openai_error(400, "the body is not JSON; send one signal event as a JSON object")
+            return gateway.fail(400, "the body is not JSON; send one signal event as a JSON object")
         if not isinstance(raw, dict):
-            return openai_error(400, "send one signal event as a JSON object")
+            return gateway.fail(400, "send one signal event as a JSON object")
         try:
-            status, body = gateway.signal(raw)
+            return gateway.signal(raw, request.state.client)
         except ValidationError as exc:
-            return openai_error(422, f"invalid signal: {exc.errors()[:3]}")
-        return JSONResponse(status_code=status, content=body)
+            return gateway.fail(422, f"invalid signal: {exc.errors()[:3]}", "InvalidSignal")
 
     @app.get("/gateway/metrics")
     async def metrics() -> dict[str, Any]:
         return gateway.metrics()
 
     return app
+
+
+SCOPES = {
+    "/v1/completions": "serve",
+    "/v1/chat/completions": "serve",
+    "/v1/signals": "serve",
+    "/gateway/metrics": "metrics",
+}
+"""The scope each authenticated path needs (``/health`` and ``/v1/models`` are open)."""
+
+
+class KeyAuth:
+    """ASGI middleware: the caller's key checked (and its rate) before the body is read or validated;
+    the client lands in ``request.state.client``."""
+
+    def __init__(self, app: ASGIApp, gateway: Gateway) -> None:
+        self.app = app
+        self.gateway = gateway
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        needed = SCOPES.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if needed is None:
+            await self.app(scope, receive, send)
+            return
+        authorization = next((bytes(v).decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+        client = await self.gateway.authorize(authorization, needed)
+        if isinstance(client, JSONResponse):
+            await client(scope, receive, send)
+            return
+        scope.setdefault("state", {})["client"] = client
+        await self.app(scope, receive, send)
 
 
 def registry_source(db: Engine, pool: str, refresh_s: float) -> ReplicaSource:

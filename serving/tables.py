@@ -12,7 +12,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, ForeignKey, Integer, String, Text
+from sqlalchemy import JSON, BigInteger, Float, ForeignKey, Integer, String, Text
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
 from ingest.db import Base, UTCDateTime
@@ -107,3 +107,24 @@ class DeploymentStageRow(Base):
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
     deployment: Mapped[DeploymentRow] = relationship(back_populates="stages")
+
+
+class GatewayKeyRow(Base):
+    """An API key of one client integration of the gateway (only its SHA-256 is stored)."""
+
+    __tablename__ = "gateway_keys"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    """The client integration (an editor plugin, an agent runner)."""
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    """Hex SHA-256 of the full key."""
+    prefix: Mapped[str] = mapped_column(String(16))
+    scopes: Mapped[list[str]] = mapped_column(JSON, default=list)
+    """``serve`` (completions and signals) and/or ``metrics`` (``/gateway/metrics``)."""
+    user_id: Mapped[str | None] = mapped_column(String(128))
+    """When set, the key speaks for this one user only: its requests and signals are that user's."""
+    rate_per_s: Mapped[float | None] = mapped_column(Float)
+    """Requests plus signals per second this client may send (default: the gateway's ``client_rate_per_s``)."""
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

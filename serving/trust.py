@@ -7,6 +7,12 @@ honest client sends, each with a clear 4xx and a reason counted in ``/gateway/me
   override the real one (labels keep the latest ``occurred_at``). 422.
 - a signal naming a user other than the one the gateway served that session to: 403. A signal
   that names no user is attributed to the served one.
+- a signal sent with another client's key than the one the session was served through: 403 (a
+  client integration vouches only for its own users).
+- ``user.churned`` for a user this client was never seen serving (a key bound to one user may
+  only say that user churned): 403.
+- a request that names, as its agent session, a session served to another user: 409 (clients choose
+  their session ids; the first user to use one keeps it).
 
 An ``event_id`` the gateway has forwarded already is answered 200 with ``duplicate: true`` and
 neither forwarded nor counted again (ingest de-duplicates too; the gate's counts now do as well).
@@ -37,7 +43,7 @@ class Refusal:
     message: str
 
 
-def _remember(store: OrderedDict[str, Any], key: str, value: Any) -> None:
+def _remember(store: OrderedDict[Any, Any], key: Any, value: Any) -> None:
     store[key] = value
     store.move_to_end(key)
     while len(store) > MAX_REMEMBERED:
@@ -49,12 +55,33 @@ class SignalTrust:
 
     def __init__(self, max_skew_s: float) -> None:
         self.max_skew = timedelta(seconds=max_skew_s)
-        self.sessions: OrderedDict[str, tuple[str, str | None]] = OrderedDict()
+        self.sessions: OrderedDict[str, tuple[str, str | None, str | None]] = OrderedDict()
         self.forwarded: OrderedDict[str, None] = OrderedDict()
+        self.users: OrderedDict[tuple[str | None, str], None] = OrderedDict()
 
-    def served(self, session_id: str, version: str, user: str | None) -> None:
-        """Remember that ``session_id`` was served by ``version`` to ``user``."""
-        _remember(self.sessions, session_id, (version, user))
+    def served(self, session_id: str, version: str, user: str | None, client: str | None = None) -> None:
+        """Remember that ``session_id`` was served by ``version`` to ``user`` through ``client``."""
+        _remember(self.sessions, session_id, (version, user, client))
+        if user is not None:
+            _remember(self.users, (client, user), None)
+
+    def owner(self, session_id: str) -> str | None:
+        """The user ``session_id`` was served to, if this gateway served it to a named user."""
+        entry = self.sessions.get(session_id)
+        return entry[1] if entry is not None else None
+
+    def claim(self, session_id: str | None, user: str | None) -> Refusal | None:
+        """A refusal when ``user`` names as its agent session one served to another user."""
+        if session_id is None:
+            return None
+        owner = self.owner(session_id)
+        if owner is not None and owner != user:
+            return Refusal(
+                409,
+                "SessionOfAnotherUser",
+                f"session {session_id} belongs to another user; start a new session id for this conversation",
+            )
+        return None
 
     def version(self, session_id: str | None) -> str | None:
         """The version that served ``session_id``, if this gateway served it."""
@@ -65,8 +92,19 @@ class SignalTrust:
         """True when this ``event_id`` was forwarded already."""
         return event_id in self.forwarded
 
-    def check(self, raw: dict[str, Any], occurred_at: datetime, now: datetime | None = None) -> Refusal | None:
-        """A refusal for this signal, or None; fills in the served user when the signal names none."""
+    def check(
+        self,
+        raw: dict[str, Any],
+        occurred_at: datetime,
+        now: datetime | None = None,
+        client: str | None = None,
+        key_user: str | None = None,
+    ) -> Refusal | None:
+        """A refusal for this signal, or None; fills in the served user when the signal names none.
+
+        ``client`` is the name of the key the signal came with and ``key_user`` the user that key
+        is bound to (None for a client-wide key, or when the gateway runs without keys).
+        """
         now = now or datetime.now(UTC)
         if occurred_at > now + self.max_skew:
             return Refusal(
@@ -75,7 +113,27 @@ class SignalTrust:
                 f"occurred_at {occurred_at.isoformat()} is later than the gateway's clock plus the allowed skew "
                 f"({self.max_skew.total_seconds():g} s); send the time the user acted",
             )
+        if key_user is not None:
+            if raw.get("user_id") not in (None, key_user):
+                return Refusal(
+                    403, "SignalFromAnotherUser", f"this key speaks for user {key_user} only, not {raw['user_id']}"
+                )
+            raw["user_id"] = key_user
+        churn = raw.get("type") == "user.churned" and client is not None and key_user is None
+        if churn and (client, raw.get("user_id")) not in self.users:
+            return Refusal(
+                403,
+                "ChurnForUnknownUser",
+                f"user {raw.get('user_id')} was never served through client {client}; "
+                "a client may report churn only for its own users",
+            )
         entry = self.sessions.get(str(raw.get("session_id") or ""))
+        if entry is not None and client is not None and entry[2] not in (None, client):
+            return Refusal(
+                403,
+                "SignalFromAnotherClient",
+                f"session {raw['session_id']} was served through another client; only that client may send its signals",
+            )
         if entry is not None and entry[1] is not None:
             user = raw.get("user_id")
             if user is None:

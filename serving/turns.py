@@ -47,6 +47,8 @@ class Request:
     model: str
     user: str | None
     sampling: dict[str, Any]
+    client: str | None = None
+    """The name of the key the request came with (None for a gateway without keys)."""
     prompt_text: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None

@@ -33,6 +33,7 @@ TAGS = [
     {"name": "reward-models", "description": "Reward-model versions: list, detail, metrics, lineage."},
     {"name": "deployments", "description": "What each pool serves; rollouts, promotion, rollback."},
     {"name": "fleet", "description": "Replicas, their states and the borrowing timeline."},
+    {"name": "gateway-keys", "description": "API keys of the gateway's client integrations: create, list, revoke."},
     {"name": "rewards", "description": "Online reward signals per policy version, and proxy-vs-real divergence."},
     {"name": "sessions", "description": "Served sessions (prompts and code only for callers allowed to read them)."},
     {"name": "audit", "description": "Who did what, when (operators only)."},
@@ -56,6 +57,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         dashboards,
         deployments,
         fleet,
+        gateway_keys,
         jobs,
         ops,
         policies,
@@ -86,7 +88,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     app.state.engine = engine
     app.state.templates = Jinja2Templates(directory=str(HERE / "templates"))
 
-    for router in (jobs, policies, reward_models, deployments, fleet, rewards, sessions, audit):
+    for router in (jobs, policies, reward_models, deployments, fleet, gateway_keys, rewards, sessions, audit):
         app.include_router(router.router, prefix=API_PREFIX)
     app.include_router(ops.router)
     app.include_router(dashboards.router)

@@ -18,7 +18,7 @@ from sqlalchemy import select
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
-from ingest.db import transaction
+from ingest.db import all_rows, revoke_named, transaction
 from scheduler.api.tables import ApiTokenRow, AuditRow
 
 Role = Literal["viewer", "operator"]
@@ -72,18 +72,12 @@ def create_token(engine: Engine, name: str, role: str) -> tuple[ApiTokenRow, str
 
 def revoke_token(engine: Engine, name: str) -> bool:
     """Revoke the token named ``name``; False when there is none."""
-    with transaction(engine) as session:
-        row = session.scalar(select(ApiTokenRow).where(ApiTokenRow.name == name))
-        if row is None or row.revoked_at is not None:
-            return False
-        row.revoked_at = datetime.now(UTC)
-        return True
+    return revoke_named(engine, ApiTokenRow, name)
 
 
 def list_tokens(engine: Engine) -> list[ApiTokenRow]:
     """Every token row (hashes only), oldest first."""
-    with transaction(engine) as session:
-        return list(session.scalars(select(ApiTokenRow).order_by(ApiTokenRow.id)))
+    return all_rows(engine, ApiTokenRow)
 
 
 def resolve_token(session: Session, token: str) -> Principal | None:

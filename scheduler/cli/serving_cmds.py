@@ -116,6 +116,12 @@ def deploy_rollout(
     pool: Annotated[str, typer.Option(help="Pool.")] = "default",
     snapshot: Annotated[bool, typer.Option(help="Pull full snapshots instead of deltas.")] = False,
     gateway: Annotated[str | None, typer.Option(help="Gateway URL whose /gateway/metrics gate each stage.")] = None,
+    gateway_key: Annotated[
+        str | None,
+        typer.Option(
+            help="Key with the metrics scope (default: serving.gateway.metrics_key).", envvar="UNDERTOW_GATEWAY_KEY"
+        ),
+    ] = None,
 ) -> None:
     """Canary, gate, progressive stages; rolls back by itself when a gate fails."""
     import asyncio
@@ -130,10 +136,14 @@ def deploy_rollout(
     settings = setup()
     metrics = None
     if gateway:
+        key = gateway_key or settings.serving.gateway.metrics_key
+        headers = {"authorization": f"Bearer {key}"} if key else {}
 
         async def metrics() -> dict:  # type: ignore[type-arg]
-            async with httpx.AsyncClient(timeout=10) as c:
-                return (await c.get(gateway.rstrip("/") + "/gateway/metrics")).json()  # type: ignore[no-any-return]
+            async with httpx.AsyncClient(timeout=10, headers=headers) as c:
+                response = await c.get(gateway.rstrip("/") + "/gateway/metrics")
+                response.raise_for_status()
+                return response.json()  # type: ignore[no-any-return]
 
     result = asyncio.run(
         rollout(
@@ -191,33 +201,23 @@ def gateway_cmd(
 ) -> None:
     """The user-facing OpenAI-compatible gateway with telemetry and signal endpoints."""
     from scheduler.cli.common import setup
+    from scheduler.runtime import open_database
+    from scheduler.runtime.gateway import gateway_emitter, gateway_keys
     from serving.gateway import Gateway, health_loop, registry_source, serve_gateway, static_replicas
-    from serving.telemetry import TelemetryEmitter
 
     settings = setup()
     cfg = settings.serving.gateway
     background = []
+    db = open_database(settings) if cfg.require_keys or not replica else None
     if replica:
         source = static_replicas(replica)
     else:
-        from scheduler.runtime import open_database
-
-        db = open_database(settings)
+        assert db is not None
         source = registry_source(db, pool, cfg.fleet_refresh_s)
         background.append(health_loop(db, settings.serving.fleet, pool))
-    emitter = None
-    if telemetry:
-        from ingest.producer import TelemetryProducer
-        from scheduler.runtime import require_bootstrap
-
-        bootstrap, topic = require_bootstrap(settings), settings.kafka.topic
-        emitter = TelemetryEmitter(
-            lambda: TelemetryProducer(bootstrap, topic, max_block_ms=3000, request_timeout_ms=5000),
-            settings.home / cfg.spool_dir,
-            max_spool_bytes=cfg.spool_max_bytes,
-            queue_size=cfg.emit_queue_size,
-        )
-    gateway = Gateway(source, emitter, cfg, settings.serving.engine.served_model_name)
+    emitter = gateway_emitter(settings) if telemetry else None
+    keys = gateway_keys(settings, db) if cfg.require_keys else None
+    gateway = Gateway(source, emitter, cfg, settings.serving.engine.served_model_name, keys)
     serve_gateway(gateway, host, port or settings.serving.gateway_port, background)
 
 

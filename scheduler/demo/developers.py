@@ -117,10 +117,12 @@ class Developers:
         speedup: float,
         config: DeveloperConfig,
         seed: int = 0,
+        api_key: str | None = None,
     ) -> None:
         from policy.tasks import train_tasks
 
         self.url = gateway_url.rstrip("/")
+        self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.tokenizer = tokenizer
         self.config = config
         self.speedup = speedup
@@ -137,7 +139,7 @@ class Developers:
 
         sem = asyncio.Semaphore(self.config.max_inflight)
         limits = httpx.Limits(max_connections=64)
-        async with httpx.AsyncClient(timeout=180.0, limits=limits) as http:
+        async with httpx.AsyncClient(timeout=180.0, limits=limits, headers=self.headers) as http:
             start = time.monotonic()
             for at in self.arrivals:
                 while not self._halt.is_set() and (delay := at - (time.monotonic() - start)) > 0:

@@ -41,6 +41,7 @@ def run_ingest_stage(
 
     from ingest.joins import orphan_signal_counts
     from ingest.producer import TelemetryProducer
+    from ingest.signing import keyring
     from ingest.stats import stats
     from ingest.synthetic import default_trace_path, generate, load_rates
     from scheduler.runtime.embedded import EmbeddedStack
@@ -58,6 +59,7 @@ def run_ingest_stage(
     def on_commit(report: Any) -> None:
         stored["n"] += report.records
 
+    key = keyring(settings.ingest.signing_keys).get(settings.serving.gateway.signing_key_id)
     started = time.monotonic()
     with EmbeddedStack(settings) as stack:
         stack.start_ingest(on_commit=on_commit)
@@ -70,7 +72,7 @@ def run_ingest_stage(
                 TimeElapsedColumn(),
                 console=Console(stderr=True),
             ) as progress,
-            TelemetryProducer(stack.bootstrap, settings.kafka.topic) as producer,
+            TelemetryProducer(stack.bootstrap, settings.kafka.topic, signing_key=key) as producer,
         ):
             sent = progress.add_task(f"produce (trace x{speedup:,.0f})", total=total)
             read = progress.add_task("ingest", total=total)
@@ -80,7 +82,8 @@ def run_ingest_stage(
                     time.sleep(delay)
                 producer.send(item.event)
                 if i in inject_at:
-                    producer.send_raw(inject_at[i], key=b"demo")
+                    raw = inject_at[i]  # signed: it must reach validation, which names its reason
+                    producer.send_raw(raw, key=b"demo", headers=key.headers(raw) if key else None)
                 progress.update(sent, completed=i + 1, refresh=False)
                 progress.update(read, completed=stored["n"])
             producer.flush()

@@ -79,6 +79,8 @@ class DemoOptions:
 
 def _env(home: Path, opts: DemoOptions, speedup: float) -> dict[str, str]:
     from ingest.embedded import free_port
+    from ingest.signing import new_secret
+    from serving.keys import KEY_PREFIX
 
     env = {
         "UNDERTOW_HOME": str(home),
@@ -96,6 +98,13 @@ def _env(home: Path, opts: DemoOptions, speedup: float) -> dict[str, str]:
         "UNDERTOW_SERVING__DEPLOY__GATE_MAX_ACCEPTANCE_DROP": "0.2",
         "UNDERTOW_SERVING__DEPLOY__GATE_MAX_ERROR_RATE_DELTA": "0.05",
         "UNDERTOW_SERVING__GATEWAY__FLEET_REFRESH_S": "0.5",
+        # the loop's deployer reads /gateway/metrics with this key; the gateway and the replay sign
+        # what they write, and ingest refuses anything unsigned
+        "UNDERTOW_SERVING__GATEWAY__METRICS_KEY": KEY_PREFIX + new_secret(),
+        "UNDERTOW_INGEST__SIGNING_KEYS": json.dumps({"gateway": new_secret(), "dlq-replay": new_secret()}),
+        # simulated time runs `speedup` times faster than the wall clock, and so do the users
+        "UNDERTOW_SERVING__GATEWAY__USER_RATE_PER_S": f"{2.0 * max(1.0, speedup):.3f}",
+        "UNDERTOW_SERVING__GATEWAY__USER_SIGNAL_RATE_PER_S": f"{max(1.0, speedup):.3f}",
         "UNDERTOW_SERVING__FLEET__HEALTH_INTERVAL_S": "1.0",
         "UNDERTOW_SERVING__ENGINE__THREADS": "1",
         "UNDERTOW_REWARDS__RETENTION_WEIGHTS": json.dumps({"60": 1.0, "600": 2.0, "3600": 4.0}),
@@ -240,9 +249,20 @@ def run_demo(base: Settings, opts: DemoOptions) -> dict[str, Any]:
     with console.status("starting broker, database, worker, engines, gateway and API"):
         stack.start()
     setup_s = time.monotonic() - started
-    console.print(f"gateway {stack.gateway_url}  dashboards {stack.api_url}/  (operator token: {stack.api_token})")
+    console.print(
+        f"gateway {stack.gateway_url} (key: {stack.gateway_key})  "
+        f"dashboards {stack.api_url}/  (operator token: {stack.api_token})"
+    )
     _model, tokenizer = load_checkpoint(v0_path)
-    devs = Developers(stack.gateway_url, tokenizer, rates, span_s, speedup, DeveloperConfig(mean_rps=opts.mean_rps))
+    devs = Developers(
+        stack.gateway_url,
+        tokenizer,
+        rates,
+        span_s,
+        speedup,
+        DeveloperConfig(mean_rps=opts.mean_rps),
+        api_key=stack.gateway_key,
+    )
     import asyncio
 
     dev_thread = threading.Thread(target=lambda: asyncio.run(devs.run()), name="demo-developers", daemon=True)

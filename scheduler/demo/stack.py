@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -120,6 +121,7 @@ class DemoStack:
         self.gateway_url = ""
         self.api_url = ""
         self.api_token = ""
+        self.gateway_key = ""
         self.v0_hash = ""
 
     @property
@@ -162,21 +164,17 @@ class DemoStack:
         return self
 
     def _start_gateway(self) -> None:
-        from ingest.producer import TelemetryProducer
+        from scheduler.runtime.gateway import gateway_emitter, gateway_keys
         from serving.gateway import Gateway, create_gateway_app, health_loop, registry_source
+        from serving.keys import create_key
         from serving.launch import ServerThread
-        from serving.telemetry import TelemetryEmitter
 
         cfg = self.settings.serving
-        bootstrap, topic = self.embedded.bootstrap, self.settings.kafka.topic
-        emitter = TelemetryEmitter(
-            lambda: TelemetryProducer(bootstrap, topic, max_block_ms=3000, request_timeout_ms=5000),
-            self.settings.home / cfg.gateway.spool_dir,
-            max_spool_bytes=cfg.gateway.spool_max_bytes,
-            queue_size=cfg.gateway.emit_queue_size,
-        )
+        emitter = gateway_emitter(self.settings, self.embedded.bootstrap)
         source = registry_source(self.engine, "default", cfg.gateway.fleet_refresh_s)
-        self.gateway = Gateway(source, emitter, cfg.gateway, cfg.engine.served_model_name)
+        keys = gateway_keys(self.settings, self.engine) if cfg.gateway.require_keys else None
+        _row, self.gateway_key = create_key(self.engine, f"demo-developers-{uuid.uuid4().hex[:8]}")
+        self.gateway = Gateway(source, emitter, cfg.gateway, cfg.engine.served_model_name, keys)
         app = create_gateway_app(self.gateway, [health_loop(self.engine, cfg.fleet, "default")])
         server = ServerThread(app, port=cfg.gateway_port).__enter__()
         self.servers.append(server)

@@ -174,10 +174,14 @@ def snapshot(ctx: StepContext, state: LoopState) -> LoopState:
 def _gateway_metrics(settings: Settings) -> deploy.MetricsSource:
     """The gateway's per-version online metrics (what the deployment gate compares)."""
     url = f"http://127.0.0.1:{settings.serving.gateway_port}/gateway/metrics"
+    key = settings.serving.gateway.metrics_key
+    headers = {"authorization": f"Bearer {key}"} if key else {}
 
     async def metrics() -> dict[str, Any]:
-        async with httpx.AsyncClient(timeout=10) as client:
-            return (await client.get(url)).json()  # type: ignore[no-any-return]
+        async with httpx.AsyncClient(timeout=10, headers=headers) as client:
+            response = await client.get(url)
+            response.raise_for_status()
+            return response.json()  # type: ignore[no-any-return]
 
     return metrics
 

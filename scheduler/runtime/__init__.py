@@ -1,5 +1,6 @@
 """Shared wiring for commands and services: a database that is ready (here), structured logging
-(:mod:`.logs`) and the embedded stack of broker, database and ingest consumer (:mod:`.embedded`).
+(:mod:`.logs`), the embedded stack of broker, database and ingest consumer (:mod:`.embedded`) and the
+gateway's emitter and key ring (:mod:`.gateway`).
 
 On the embedded SQLite default every command migrates the schema by itself; against any other
 database a command on an outdated schema stops with a message naming ``undertow db upgrade``.

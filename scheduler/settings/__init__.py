@@ -34,6 +34,7 @@ class Settings(BaseSettings):
         env_nested_delimiter="__",
         toml_file="undertow.toml",
         extra="ignore",
+        hide_input_in_errors=True,  # errors name the setting and the rule, never a value (secrets among them)
     )
 
     home: Path = Path(".undertow")

@@ -66,6 +66,7 @@ def test_rl_run_trains_on_exactly_the_requested_window(
             span_s,
             86400.0 / span_s,
             DeveloperConfig(mean_rps=1.0, max_tokens=24),
+            api_key=stack.gateway_key,
         )
         threading.Thread(target=lambda: asyncio.run(devs.run()), daemon=True).start()
         wait_for(lambda: _groups(stack.engine) >= 12, timeout=480, every=1.0, what="candidate groups stored")

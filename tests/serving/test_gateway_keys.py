@@ -1,0 +1,205 @@
+"""The gateway with API keys, over a real CPU engine and a migrated database: who may call it, whose
+signals count, how fast, and how much one user weighs in the canary gate. Each case is checked by
+what the gateway answers and what ``/gateway/metrics`` then shows."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import pytest
+from openai import AuthenticationError, OpenAI
+
+from serving.config import GatewayConfig
+from serving.gateway import Gateway, create_gateway_app, static_replicas
+from serving.keys import ClientKey, KeyRing, create_key, revoke_key
+from serving.launch import ServerThread
+
+METRICS_KEY = "ugw_metrics-key-for-the-test-only"
+
+
+@contextmanager
+def keyed_gateway(engine_url: str, db: Any, **config: Any) -> Iterator[str]:
+    cfg = GatewayConfig(key_refresh_s=0.2, **config)
+    ring = KeyRing(db, cfg.key_refresh_s, {METRICS_KEY: ClientKey("metrics-setting", ("metrics",))})
+    gw = Gateway(static_replicas([engine_url], "v0"), None, cfg, "undertow-policy", ring)
+    with ServerThread(create_gateway_app(gw)) as srv:
+        yield srv.url
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+def complete(url: str, key: str, user: str | None = None, **extra: Any) -> httpx.Response:
+    body = {"prompt": "def add", "max_tokens": 2, **extra}
+    if user is not None:
+        body["user"] = user
+    return httpx.post(url + "/v1/completions", json=body, headers=bearer(key), timeout=60)
+
+
+def signal(url: str, key: str, **body: Any) -> httpx.Response:
+    body.setdefault("payload", {})
+    return httpx.post(url + "/v1/signals", json=body, headers=bearer(key), timeout=10)
+
+
+def metrics(url: str) -> dict[str, Any]:
+    response = httpx.get(url + "/gateway/metrics", headers=bearer(METRICS_KEY), timeout=10)
+    assert response.status_code == 200, response.text
+    return response.json()  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def db(sqlite_url: str) -> Any:
+    from ingest.db import ensure_schema, make_engine
+
+    engine = make_engine(sqlite_url)
+    ensure_schema(engine, auto_upgrade=True)
+    return engine
+
+
+def test_keys_gate_every_endpoint_and_revocation_takes_effect(one_engine, db) -> None:  # type: ignore[no-untyped-def]
+    _row, key = create_key(db, "editor-plugin")
+    with keyed_gateway(one_engine.url, db) as url:
+        for method, path in (("post", "/v1/completions"), ("post", "/v1/signals"), ("get", "/gateway/metrics")):
+            bare = httpx.request(method, url + path, json={"prompt": "x"}, timeout=10)
+            assert bare.status_code == 401 and "API key" in bare.json()["error"]["message"], (path, bare.text)
+            forged = httpx.request(method, url + path, json={}, headers=bearer("ugw_" + "x" * 43), timeout=10)
+            assert forged.status_code == 401, (path, forged.text)
+        assert httpx.get(url + "/gateway/metrics", headers=bearer(key), timeout=10).status_code == 403
+
+        client = OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+        answer = client.chat.completions.create(
+            model="undertow-policy", messages=[{"role": "user", "content": "hi"}], max_tokens=2, user="ann"
+        )
+        assert answer.choices[0].message is not None
+        with pytest.raises(AuthenticationError):
+            OpenAI(base_url=url + "/v1", api_key="ugw_wrong", max_retries=0).chat.completions.create(
+                model="undertow-policy", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            )
+
+        assert revoke_key(db, "editor-plugin")
+        time.sleep(0.5)  # past key_refresh_s
+        assert complete(url, key, "ann").status_code == 401
+        errors = metrics(url)["errors"]
+    assert errors["AuthenticationError"] >= 8 and errors["PermissionDeniedError"] == 1
+
+
+def test_user_bound_keys_clients_and_churn(one_engine, db) -> None:  # type: ignore[no-untyped-def]
+    _r, plugin = create_key(db, "plugin")
+    _r, other_client = create_key(db, "other-client")
+    _r, ann_key = create_key(db, "ann-laptop", user_id="ann")
+    with keyed_gateway(one_engine.url, db) as url:
+        # a key bound to ann serves ann only, whatever the body says
+        assert complete(url, ann_key, "bob").status_code == 403
+        served = complete(url, ann_key)
+        assert served.status_code == 200, served.text
+        ann_session = served.json()["choices"][0]["session_id"]
+        assert signal(url, ann_key, type="edit.accepted", session_id=ann_session, user_id="bob").status_code == 403
+        assert signal(url, ann_key, type="edit.accepted", session_id=ann_session).status_code == 202
+        assert (
+            signal(url, ann_key, type="user.churned", user_id="bob", payload={"inactive_days": 30}).status_code == 403
+        )
+        assert signal(url, ann_key, type="user.churned", payload={"inactive_days": 30}).status_code == 202
+
+        # a client-wide key vouches for its own users only
+        bob_session = complete(url, plugin, "bob").json()["choices"][0]["session_id"]
+        stolen = signal(url, other_client, type="edit.rejected", session_id=bob_session, user_id="bob")
+        assert stolen.status_code == 403 and stolen.json()["error"]["type"] == "SignalFromAnotherClient"
+        assert (
+            signal(url, other_client, type="user.churned", user_id="bob", payload={"inactive_days": 30}).status_code
+            == 403
+        )
+        assert (
+            signal(url, plugin, type="user.churned", user_id="carol", payload={"inactive_days": 30}).status_code == 403
+        )
+        assert signal(url, plugin, type="user.churned", user_id="bob", payload={"inactive_days": 30}).status_code == 202
+
+        # a session id chosen by one user cannot be taken over by another
+        chat = {"model": "undertow-policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        mine = httpx.post(
+            url + "/v1/chat/completions",
+            json={**chat, "user": "bob"},
+            headers={**bearer(plugin), "x-session-id": "agent-run-7"},
+            timeout=60,
+        )
+        assert mine.status_code == 200, mine.text
+        theirs = httpx.post(
+            url + "/v1/chat/completions",
+            json={**chat, "user": "dave"},
+            headers={**bearer(plugin), "x-session-id": "agent-run-7"},
+            timeout=60,
+        )
+        assert theirs.status_code == 409 and theirs.json()["error"]["type"] == "SessionOfAnotherUser"
+        errors = metrics(url)["errors"]
+    assert errors["SignalFromAnotherUser"] == 2 and errors["SignalFromAnotherClient"] == 1
+    assert errors["ChurnForUnknownUser"] == 2 and errors["SessionOfAnotherUser"] == 1
+
+
+def test_rates_per_user_and_client(one_engine, db) -> None:  # type: ignore[no-untyped-def]
+    _r, plugin = create_key(db, "plugin")
+    _r, slow = create_key(db, "slow-client", rate_per_s=0.01)
+    with keyed_gateway(one_engine.url, db, user_signal_rate_per_s=0.01, user_signal_burst=5, client_burst=100) as url:
+        sid = complete(url, plugin, "eve").json()["choices"][0]["session_id"]
+        answers = [signal(url, plugin, type="feedback.thumbs", session_id=sid, payload={"value": -1}) for _ in range(8)]
+        assert [a.status_code for a in answers] == [202] * 5 + [429] * 3
+        assert int(answers[-1].headers["retry-after"]) >= 1
+        assert "eve is over their signal rate" in answers[-1].json()["error"]["message"]
+        # another user of the same client is not held back by eve
+        other = complete(url, plugin, "frank").json()["choices"][0]["session_id"]
+        assert signal(url, plugin, type="edit.accepted", session_id=other).status_code == 202
+
+        # a client over its own rate: its burst scales with its rate (here: below one request)
+        limited = complete(url, slow, "gina")
+        assert limited.status_code == 429, limited.text
+        gate = metrics(url)
+    assert gate["errors"]["RateLimitError"] == 4
+    assert gate["versions"]["v0"]["judged"] == 6  # eve's five thumbs, frank's accept
+
+
+def test_one_user_weighs_at_most_the_cap_in_the_gate(one_engine, db) -> None:  # type: ignore[no-untyped-def]
+    _r, plugin = create_key(db, "plugin")
+    with keyed_gateway(one_engine.url, db, gate_signals_per_user=3, user_signal_burst=100) as url:
+        honest = [f"dev-{i}" for i in range(4)]
+        for user in honest:
+            for _ in range(2):
+                sid = complete(url, plugin, user).json()["choices"][0]["session_id"]
+                assert signal(url, plugin, type="edit.accepted", session_id=sid).status_code == 202
+        sessions = [complete(url, plugin, "mallory").json()["choices"][0]["session_id"] for _ in range(4)]
+        for i in range(40):
+            sent = signal(url, plugin, type="edit.rejected", session_id=sessions[i % 4], event_id=f"m-{uuid.uuid4()}")
+            assert sent.status_code == 202
+        gate = metrics(url)["versions"]["v0"]
+    assert gate["judged"] == 48 and gate["judged_users"] == 5
+    assert gate["acceptance_raw"] == pytest.approx(8 / 48)
+    # mallory weighs 3 however much she sends, and alone at the bottom she is trimmed away
+    assert gate["acceptance"] == pytest.approx(1.0)
+
+
+def test_gate_acceptance_bounds_any_one_user() -> None:
+    from serving.gateway import VersionStats
+
+    rng = __import__("random").Random(7)
+    honest = {f"dev-{i}": [float(rng.random() < 0.7) for _ in range(rng.randint(1, 6))] for i in range(30)}
+
+    def acceptance(attacker: list[float], cap: int) -> float:
+        stats = VersionStats(per_user_cap=cap)
+        for user, values in honest.items():
+            for v in values:
+                stats.judge(user, v)
+        for v in attacker:
+            stats.judge("mallory", v)
+        result = stats.acceptance()
+        assert result is not None
+        return result
+
+    clean = acceptance([], 5)
+    # whatever one account sends, and however often, it moves the robust mean by little
+    for attack in ([0.0] * 500, [1.0] * 500, [0.5] * 500, [0.0, 1.0] * 250):
+        assert abs(acceptance(attack, 5) - clean) < 0.03, attack[:2]
+    assert abs(acceptance([0.0] * 500, 5) - clean) < 0.01  # alone at an extreme: trimmed away
+    assert abs(acceptance([0.0] * 500, 0) - acceptance([], 0)) > 0.5  # the plain mean is carried off
