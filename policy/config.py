@@ -56,6 +56,8 @@ class PolicyConfig(BaseModel):
     """torch CPU threads of the trainer (fixed, so runs are bit-reproducible)."""
     parallel: Literal["fsdp", "ddp"] = "fsdp"
     """Several trainer processes (torchrun): ``fsdp`` shards weights, grads and optimizer; ``ddp`` replicates."""
+    pack_tokens: int = Field(default=0, ge=0)
+    """Pack RL rollouts into rows of at most N tokens, one forward per row (faster); 0: one per forward, bit-exact."""
 
 
 def resolve_store_url(url: str, home: Path) -> str:

@@ -14,6 +14,8 @@ Contract (the serving layer and the trainer both call these; nothing else comput
   gradients reach the router and the experts the rollout actually used.
 - :func:`forward_tokens`: the same pass with autograd (the trainer's entry point); under
   ``torch.no_grad`` it produces bit-identical numbers to :func:`score_tokens` on CPU.
+- :func:`forward_routed`: a bare forward (any batch, positions and mask) with per-token replay, for
+  the packed trainer path (:mod:`policy.packing`); to float rounding, not bit for bit.
 - :func:`generate` ``(model, prompt_ids, *, max_tokens, temperature, top_p, seed, n,
   stop_token_ids) -> list[Generation]``: samples ``n`` continuations with a KV cache, then
   re-scores each final sequence with :func:`score_tokens`, so the returned ``logprobs`` and
@@ -101,6 +103,9 @@ class Generation:
 @dataclass
 class _Routing:
     replay: torch.Tensor | None
+    natural: torch.Tensor | None = None
+    """With ``replay``: bool per flattened token, True where the router takes its own top-k instead
+    (packed rows, see :func:`forward_routed`); None keeps the prefix convention of :func:`forward_tokens`."""
     logits: list[torch.Tensor] = field(default_factory=list)
     indices: list[torch.Tensor] = field(default_factory=list)
 
@@ -114,6 +119,10 @@ def _router_forward(self: Any, hidden_states: torch.Tensor) -> tuple[torch.Tenso
     replay = None if state is None or state.replay is None else state.replay[:, self._undertow_layer, :]
     if replay is None:
         top_value, top_index = torch.topk(router_probs, self.top_k, dim=-1)
+    elif state is not None and state.natural is not None:
+        own = torch.topk(router_probs, self.top_k, dim=-1).indices
+        top_index = torch.where(state.natural[:, None], own, replay)
+        top_value = router_probs.gather(1, top_index)
     else:
         natural = torch.topk(router_probs[replay.shape[0] :], self.top_k, dim=-1).indices
         top_index = torch.cat([replay, natural], dim=0)
@@ -181,6 +190,37 @@ def forward_tokens(
     entropy = -(log_probs.exp() * log_probs).sum(-1)
     experts = torch.stack(state.indices, dim=1)[: total - 1]
     return ForwardOutput(token_logprobs, entropy, state.logits, experts)
+
+
+def forward_routed(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    *,
+    position_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    replay: torch.Tensor | None = None,
+    natural: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """One forward of ``input_ids`` ``[B, L]`` with routing capture and per-token replay (autograd on).
+
+    ``replay`` is int64 ``[B * L, layers, top_k]`` over the flattened tokens; where ``natural``
+    (bool ``[B * L]``) is True the router takes its own top-k and that row of ``replay`` is
+    ignored. Returns float32 logits ``[B, L, vocab]``, the router logits of each MoE layer
+    ``[B * L, num_experts]`` and the experts used ``[B * L, layers, top_k]``. The packed trainer
+    path (:mod:`policy.packing`) builds ``position_ids`` and the block-diagonal ``attention_mask``.
+    """
+    install_routing(model)
+    if replay is not None and natural is None:
+        natural = torch.zeros(replay.shape[0], dtype=torch.bool, device=replay.device)
+    state = _Routing(replay=replay, natural=natural)
+    _STATE.routing = state
+    try:
+        logits = model(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
+        ).logits.float()
+    finally:
+        _STATE.routing = None
+    return logits, state.logits, torch.stack(state.indices, dim=1)
 
 
 def score_tokens(

@@ -48,6 +48,7 @@ def train_config(cfg: PolicyConfig, steps: int | None = None) -> TrainConfig:
         replay=cfg.routing_replay,
         max_staleness=cfg.max_staleness,
         loss=LossConfig(level=cfg.loss_level),
+        pack_tokens=cfg.pack_tokens,
     )
 
 

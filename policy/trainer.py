@@ -6,6 +6,15 @@ batch of one, through :func:`policy.forward.forward_tokens` (the serving engine'
 with routing replay of the served experts), the clipped and importance-corrected loss of
 :mod:`policy.losses`, and backward. Gradients accumulate over the batch.
 
+Packed mode (``TrainConfig.pack_tokens > 0``): the rollouts are packed into rows of at most that
+many tokens (:mod:`policy.packing`: first-fit decreasing, positions restarting per sequence, a
+block-diagonal causal mask, each sequence's served experts replayed at its own tokens) and each
+row is one forward and backward; the loss is the same sum (per-sequence advantages and
+``seq_index``, KL, per-sequence load balance) with the same normaliser, so loss and gradients
+equal the one-at-a-time path to float rounding (not bit for bit: the logprobs differ from the
+served ones by ~1e-7, which is why 0, the exact path, stays the default). Ranks take every
+``world``-th row, padded with zero-weight passes under FSDP like rollouts.
+
 Several processes (``torchrun``, gloo on CPU; :mod:`policy.distributed`): every rank gets the
 same global batch and takes every ``world``-th rollout that carries a gradient. With FSDP (``parallel = "fsdp"``, the
 default) the model is sharded per decoder layer; a rank with one rollout fewer adds a zero-weight
@@ -30,8 +39,9 @@ count and world size).
 
 Left out: PPO multi-epoch minibatching over one batch (each batch is used for one step, so the
 proximal policy equals the served one and the ratio starts at 1; the clip and truncated IS
-matter for stale production data); packing several sequences into one forward (batch of one
-keeps the trainer's logprobs bit-equal to the served ones); GPU placement (shards stay on the
+matter for stale production data); several packed rows per forward (rows go one at a time);
+bf16 autocast (it would break the train/serve logprob equality that replay provides); GPU
+placement (the packed path makes its tensors on the model's device, but shards stay on the
 CPU and the backend is gloo; NCCL and device meshes are what a GPU trainer adds); and
 sharded checkpoints (states are gathered whole on rank 0, which is right for the shipped
 presets and not for models that do not fit one host).
@@ -70,6 +80,7 @@ from policy.distributed import (
 )
 from policy.forward import forward_tokens, routers
 from policy.losses import LossConfig, LossInputs, load_balancing_loss, policy_loss
+from policy.packing import PackedRow, forward_packed, model_device, pack_sequences
 from policy.rollouts import Rollout, StalenessStats, filter_stale, rollouts_from_tasks
 from policy.tasks import train_tasks
 
@@ -95,6 +106,10 @@ class TrainConfig:
     max_staleness: int = 4
     loss: LossConfig = field(default_factory=LossConfig)
     save_every: int = 1
+    pack_tokens: int = 0
+    """0: one forward per rollout (batch of one, logprobs bit-equal to the served ones on CPU).
+    N > 0: rollouts packed into rows of at most N tokens, one forward per row (:mod:`policy.packing`);
+    the same loss and gradients to float rounding, several times the throughput on CPU."""
 
 
 def _merge(sums: dict[str, float]) -> dict[str, float]:
@@ -127,6 +142,109 @@ def _microbatches(batch: list[Rollout], advantages: list[float], needs_all: bool
     return mine
 
 
+def _packed_rows(
+    batch: list[Rollout], advantages: list[float], needs_all: bool, pack_tokens: int, *, pad: bool
+) -> tuple[list[int], list[PackedRow | None]]:
+    """The rollouts that carry a gradient and this rank's packed rows of them (indices into that list).
+
+    Every rank packs the same list the same way and takes every ``world``-th row; under FSDP a rank
+    with a row fewer gets a ``None`` (a zero-weight pass), as in :func:`_microbatches`.
+    """
+    rank, size = world()
+    active = [i for i in range(len(batch)) if advantages[i] != 0.0 or needs_all]
+    rows = pack_sequences([len(batch[i].prompt_ids) + len(batch[i].completion_ids) for i in active], pack_tokens)
+    mine: list[PackedRow | None] = list(rows[rank::size])
+    if pad and size > 1:
+        count = torch.tensor([len(mine)])
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        mine += [None] * (int(count) - len(mine))
+    return active, mine
+
+
+def _packed_passes(
+    model: PreTrainedModel,
+    batch: list[Rollout],
+    advantages: list[float],
+    cfg: TrainConfig,
+    normalizer: float,
+    needs_all: bool,
+    top_k: int,
+    sharded: bool,
+    ref_model: PreTrainedModel | None,
+    sums: dict[str, float],
+    total_loss: torch.Tensor,
+) -> None:
+    """Forward and backward this rank's packed rows (``pack_tokens > 0``), accumulating into ``sums``
+    and ``total_loss``: per row, the loss of :func:`policy_loss` over the row's concatenated masked
+    tokens (per-sequence advantages, ``seq_index`` per sequence) plus each sequence's load-balance
+    term weighted as in the one-at-a-time path, so the sum over rows is the same loss."""
+    device = model_device(model)
+    active, work = _packed_rows(batch, advantages, needs_all, cfg.pack_tokens, pad=sharded)
+    first: PackedRow | None = next((row for row in work if row is not None), None)
+    for n, packed in enumerate(work):
+        set_gradient_sync(model, n == len(work) - 1)
+        pad = packed is None
+        row = packed if packed is not None else first
+        if row is None:  # this rank has no row at all: pad with the batch's first rollout alone
+            row = PackedRow((0,), (len(batch[active[0]].prompt_ids) + len(batch[active[0]].completion_ids),))
+        members = [batch[active[j]] for j in row.members]
+        seqs = [r.prompt_ids + r.completion_ids for r in members]
+        prompt_lens = [len(r.prompt_ids) for r in members]
+        replay = [r.routed_experts for r in members] if cfg.replay else None
+        outs = forward_packed(model, seqs, prompt_lens, routed_experts=replay)
+        refs = None
+        if ref_model is not None and cfg.loss.kl_coef > 0:
+            with torch.no_grad():
+                refs = forward_packed(ref_model, seqs, prompt_lens)
+        logps, serveds, advs, index, ents, ref_parts = [], [], [], [], [], []
+        lb_terms: list[tuple[torch.Tensor, int]] = []
+        for k, (j, r, out) in enumerate(zip(row.members, members, outs, strict=True)):
+            mask = torch.tensor(r.mask, dtype=torch.bool, device=device)
+            logp = out.logprobs[mask]
+            served = (
+                torch.as_tensor(r.served_logprobs, device=device)[mask]
+                if r.served_logprobs is not None
+                else logp.detach()
+            )
+            served = torch.where(torch.isnan(served), logp.detach().to(served.dtype), served)
+            logps.append(logp)
+            serveds.append(served)
+            advs.append(torch.full_like(logp, advantages[active[j]]))
+            index.append(torch.full((logp.shape[0],), k, dtype=torch.int64, device=device))
+            ents.append(out.entropy[mask])
+            if refs is not None:
+                ref_parts.append(refs[k].logprobs[mask])
+            if cfg.loss.load_balance_coef > 0:
+                lb_terms.append((load_balancing_loss(out.router_logits, top_k), logp.shape[0]))
+        logp_all = torch.cat(logps)
+        served_all = torch.cat(serveds)
+        inputs = LossInputs(
+            logprobs=logp_all,
+            served_logprobs=served_all,
+            advantages=torch.cat(advs),
+            seq_index=torch.cat(index),
+            normalizer=normalizer,
+            ref_logprobs=torch.cat(ref_parts) if refs is not None else None,
+            entropy=torch.cat(ents),
+        )
+        result = policy_loss(inputs, cfg.loss)
+        loss = result.loss
+        for lb, count in lb_terms:
+            loss = loss + cfg.loss.load_balance_coef * lb * (count / normalizer)
+        if pad:
+            (loss * 0.0).backward()  # keeps FSDP's collectives in step; contributes nothing
+            continue
+        loss.backward()
+        total_loss += float(loss.detach())
+        for lb, count in lb_terms:
+            sums["moe/load_balance_sum"] = sums.get("moe/load_balance_sum", 0.0) + float(lb.detach()) * count
+        if logp_all.numel():
+            gap = float((logp_all.detach() - served_all).abs().max())
+            sums["gap/max_abs"] = max(sums.get("gap/max_abs", 0.0), gap)
+        for key, v in result.metrics.items():
+            sums[key] = sums.get(key, 0.0) + v
+
+
 def update_step(
     model: PreTrainedModel,
     optimizer: torch.optim.Optimizer,
@@ -156,7 +274,16 @@ def update_step(
     sums: dict[str, float] = {}
     optimizer.zero_grad(set_to_none=True)
     total_loss = torch.zeros((), dtype=torch.float64)
-    work = _microbatches(batch, advantages, needs_all, pad=sharded)
+    if cfg.pack_tokens < 0:
+        raise ValueError(f"pack_tokens must be >= 0 (got {cfg.pack_tokens})")
+    work: list[int | None] = []
+    if cfg.pack_tokens > 0:
+        total_loss = total_loss.to(model_device(model))
+        _packed_passes(
+            model, batch, advantages, cfg, normalizer, needs_all, top_k, sharded, ref_model, sums, total_loss
+        )
+    else:
+        work = _microbatches(batch, advantages, needs_all, pad=sharded)
     for n, index in enumerate(work):
         set_gradient_sync(model, n == len(work) - 1)
         pad = index is None
@@ -199,7 +326,7 @@ def update_step(
         loss.backward()
         total_loss += float(loss.detach())
         if lb is not None:
-            sums["moe/load_balance_sum"] = sums.get("moe/load_balance_sum", 0.0) + float(lb) * logp.shape[0]
+            sums["moe/load_balance_sum"] = sums.get("moe/load_balance_sum", 0.0) + float(lb.detach()) * logp.shape[0]
         sums["gap/max_abs"] = max(sums.get("gap/max_abs", 0.0), float((logp.detach() - served_t).abs().max()))
         for k, v in result.metrics.items():
             sums[k] = sums.get(k, 0.0) + v

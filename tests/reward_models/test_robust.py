@@ -280,7 +280,8 @@ def test_one_account_moves_the_model_only_with_the_defenses_off(poisoned: dict[s
     # What the report says: the account held about half of each head's weight, and now holds the cap.
     for head in ("retention", "acceptance", "selection"):
         cap = fit_on.user_caps[head]
-        assert cap["top_share_before"] > 0.3 and cap["top_share_after"] == pytest.approx(0.05)
+        expected = max(on.max_user_share, 1 / cap["users"])  # the cap, or equal shares when there are few users
+        assert cap["top_share_before"] > 0.3 and cap["top_share_after"] == pytest.approx(expected)
         assert fit_off.user_caps[head]["top_share_after"] == fit_off.user_caps[head]["top_share_before"]
     assert fit_on.skipped["foreign_user_signals"] == 30 * 5 and "foreign_user_signals" not in fit_off.skipped
 
