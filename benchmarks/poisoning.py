@@ -295,7 +295,8 @@ def gate_trials(args: argparse.Namespace, attackers: int) -> dict[str, Any]:
             "extreme": [goal] * sends,
             "adaptive": [goal if i % 10 else 1.0 - goal for i in range(sends)],
         }.items():
-            on = [decide(h, attackers, values, True, args) for h in trials]
+            label = f"gate, {attackers} attacker(s), {scenario}, {style}"
+            on = [decide(h, attackers, values, True, args) for h in tqdm(trials, desc=label, file=sys.stderr)]
             off = [decide(h, attackers, values, False, args) for h in trials]
             result[style] = {
                 "flipped_defenses_on": round(sum(a != b for a, b in zip(on, clean, strict=True)) / len(trials), 3),
