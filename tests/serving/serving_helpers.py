@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,3 +90,28 @@ def consume(bootstrap: str, topic: str, n: int, timeout_s: float = 30.0) -> list
             out.extend(json.loads(r.value) for r in batch)
     consumer.close()
     return out
+
+
+@contextmanager
+def telemetry_gateway(engine_url: str, bootstrap: str, spool: Path, prefix: str) -> Iterator[tuple[str, str, Any]]:
+    """A gateway (no keys) in front of one engine whose telemetry goes to a fresh topic on the broker;
+    yields its URL, the topic and the :class:`serving.gateway.Gateway`."""
+    from ingest.embedded import create_topics
+    from ingest.producer import TelemetryProducer
+    from serving.config import GatewayConfig
+    from serving.gateway import Gateway, create_gateway_app, static_replicas
+    from serving.launch import ServerThread
+    from serving.telemetry import TelemetryEmitter
+
+    topic = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    create_topics(bootstrap, {topic: 2})
+    emitter = TelemetryEmitter(
+        lambda: TelemetryProducer(bootstrap, topic, max_block_ms=2000, request_timeout_ms=3000),
+        spool,
+        retry_interval_s=0.3,
+    )
+    gateway = Gateway(
+        static_replicas([engine_url], "v0"), emitter, GatewayConfig(max_prompt_chars=4000), "undertow-policy"
+    )
+    with ServerThread(create_gateway_app(gateway)) as srv:
+        yield srv.url, topic, gateway

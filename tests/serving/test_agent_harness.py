@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from serving_helpers import consume
+from serving_helpers import consume, telemetry_gateway
 
 from policy.agent import (
     NUDGE,
@@ -24,10 +24,6 @@ from policy.agent import (
 from policy.checker import SandboxUnavailable, require_sandbox
 from policy.tasks import Task, all_tasks
 from policy.windows import SUMMARY_TEXT
-from serving.config import GatewayConfig
-from serving.gateway import Gateway, create_gateway_app, static_replicas
-from serving.launch import ServerThread
-from serving.telemetry import TelemetryEmitter
 
 MODEL = "undertow-policy"
 SYSTEM = "Coding agent."
@@ -43,19 +39,12 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(one_engine, broker, tmp_path_factory) -> Iterator[Stack]:  # type: ignore[no-untyped-def]
-    from ingest.embedded import create_topics
-    from ingest.producer import TelemetryProducer
-
-    topic = f"agent-{uuid.uuid4().hex[:8]}"
-    create_topics(broker.bootstrap, {topic: 2})
-    emitter = TelemetryEmitter(
-        lambda: TelemetryProducer(broker.bootstrap, topic, max_block_ms=2000, request_timeout_ms=3000),
-        tmp_path_factory.mktemp("spool"),
-        retry_interval_s=0.3,
-    )
-    gateway = Gateway(static_replicas([one_engine.url], "v0"), emitter, GatewayConfig(max_prompt_chars=4000), MODEL)
-    with ServerThread(create_gateway_app(gateway)) as srv:
-        yield Stack(srv.url, broker.bootstrap, topic)
+    with telemetry_gateway(one_engine.url, broker.bootstrap, tmp_path_factory.mktemp("spool"), "agent") as (
+        url,
+        topic,
+        _gateway,
+    ):
+        yield Stack(url, broker.bootstrap, topic)
 
 
 @pytest.fixture(scope="module")

@@ -17,12 +17,9 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from serving_helpers import consume
+from serving_helpers import consume, telemetry_gateway
 
-from serving.config import GatewayConfig
-from serving.gateway import Gateway, create_gateway_app, static_replicas
-from serving.launch import ServerThread
-from serving.telemetry import TelemetryEmitter
+from serving.gateway import Gateway
 
 MODEL = "undertow-policy"
 TOOLS = [
@@ -46,19 +43,12 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(one_engine, broker, tmp_path_factory) -> Iterator[Stack]:  # type: ignore[no-untyped-def]
-    from ingest.embedded import create_topics
-    from ingest.producer import TelemetryProducer
-
-    topic = f"chat-{uuid.uuid4().hex[:8]}"
-    create_topics(broker.bootstrap, {topic: 2})
-    emitter = TelemetryEmitter(
-        lambda: TelemetryProducer(broker.bootstrap, topic, max_block_ms=2000, request_timeout_ms=3000),
-        tmp_path_factory.mktemp("spool"),
-        retry_interval_s=0.3,
-    )
-    gateway = Gateway(static_replicas([one_engine.url], "v0"), emitter, GatewayConfig(max_prompt_chars=4000), MODEL)
-    with ServerThread(create_gateway_app(gateway)) as srv:
-        yield Stack(srv.url, one_engine.url, broker.bootstrap, topic, gateway)
+    with telemetry_gateway(one_engine.url, broker.bootstrap, tmp_path_factory.mktemp("spool"), "chat") as (
+        url,
+        topic,
+        gateway,
+    ):
+        yield Stack(url, one_engine.url, broker.bootstrap, topic, gateway)
 
 
 def _engine_counter(url: str, name: str, reason: str | None = None) -> float:
