@@ -634,7 +634,7 @@ def create_gateway_app(gateway: Gateway, background: list[Callable[[], Awaitable
     async def signals(request: Request) -> JSONResponse:
         try:
             raw = await request.json()
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: arrays or objects nested past the parser's depth
             return gateway.fail(400, "the body is not JSON; send one signal event as a JSON object")
         if not isinstance(raw, dict):
             return gateway.fail(400, "send one signal event as a JSON object")

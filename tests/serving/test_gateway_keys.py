@@ -203,3 +203,15 @@ def test_gate_acceptance_bounds_any_one_user() -> None:
         assert abs(acceptance(attack, 5) - clean) < 0.03, attack[:2]
     assert abs(acceptance([0.0] * 500, 5) - clean) < 0.01  # alone at an extreme: trimmed away
     assert abs(acceptance([0.0] * 500, 0) - acceptance([], 0)) > 0.5  # the plain mean is carried off
+
+
+def test_hostile_signal_bodies_get_a_clear_400() -> None:
+    from fastapi.testclient import TestClient
+
+    gw = Gateway(static_replicas([]), None, GatewayConfig(), "undertow-policy")
+    client = TestClient(create_gateway_app(gw), raise_server_exceptions=False)
+    for body in ("[" * 100_000 + "]" * 100_000, '{"type": "edit.accepted", "payload": ', "\x00\xff"):
+        answer = client.post("/v1/signals", content=body, headers={"content-type": "application/json"})
+        assert answer.status_code == 400, (body[:20], answer.text)
+        assert "not JSON" in answer.json()["error"]["message"]
+    assert gw.errors["BadRequestError"] == 3
