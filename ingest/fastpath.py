@@ -68,6 +68,7 @@ class FileChange(_Part):
 class Turn(_Part):
     session_id: Id
     index: Count
+    group: Id | None = None
 
 
 class SessionCompletedPayload(_Part):

@@ -200,7 +200,7 @@ def extra_json(p: schemas.SessionCompletedPayload | fastpath.SessionCompletedPay
         return msgspec.json.encode(fast).decode()
     extra: dict[str, Any] = dict(p.model_extra or {})
     if p.turn is not None:
-        extra["turn"] = p.turn.model_dump(mode="json")
+        extra["turn"] = p.turn.model_dump(mode="json", exclude_none=True)
     if p.sampling is not None:
         extra["sampling"] = p.sampling.model_dump(mode="json", exclude_none=True)
     if p.files is not None:

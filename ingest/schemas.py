@@ -247,10 +247,12 @@ def checked_npy(raw: bytes) -> bytes:
 
 
 class Turn(_Open):
-    """Where a served response sits in an agent session: the session's id and the turn's index."""
+    """Where a served response sits in an agent session: the session's id, the turn's index and,
+    optionally, the group of sessions on the same task it belongs to (compared with each other)."""
 
     session_id: Id
     index: Count
+    group: Id | None = None
 
 
 class SessionCompletedPayload(_Open):

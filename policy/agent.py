@@ -22,17 +22,21 @@ The protocol, one session:
 - The session ends on ``submit`` (``ended="submitted"``), after ``max_turns`` policy turns
   (``"turn_limit"``, reward 0), or on a gateway error (``"error"``, reward 0).
 
-The gateway numbers a turn by the assistant messages already in the conversation, so after a
-compaction the numbers start again and would collide with the earlier window's turn ids (ingest
-keeps the first event per id). Window ``k > 0`` is therefore sent as session ``{id}.w{k}``
-(:attr:`AgentResult.window_ids`); ``distinct_window_ids=False`` sends one id throughout.
+:class:`AgentSession` is the protocol without a transport (next request, observe the reply);
+:func:`run_session` drives it through the gateway, :mod:`policy.agent_eval` in process, in batches.
+
+Every request carries its number in the session as the turn index (``x-turn-index``), so the
+turns of all windows are stored under one session id with distinct turn ids (the gateway's own
+count, the assistant messages in the conversation, starts again after a compaction). ``group``
+names the group of sessions run on the same task (``x-session-group``), which the trainer
+compares with each other (GRPO over sessions).
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -43,6 +47,8 @@ from policy.tasks import Task
 from policy.windows import SUMMARY_TEXT
 
 SESSION_HEADER = "x-session-id"
+TURN_HEADER = "x-turn-index"
+GROUP_HEADER = "x-session-group"
 SYSTEM_PROMPT = (
     "You are a coding agent. Write the body of the function the user asks for. "
     "run_tests(code) runs it on hidden tests; submit(code) ends the session."
@@ -106,8 +112,7 @@ class AgentResult:
     reward: float = 0.0
     ended: Ended = "turn_limit"
     error: str | None = None
-    window_ids: list[str] = field(default_factory=list)
-    """The session id each context window was sent under (the first is :attr:`session_id`)."""
+    group: str | None = None
     messages: list[dict[str, Any]] = field(default_factory=list)
     """The conversation of the last window, as last sent or answered."""
 
@@ -144,7 +149,7 @@ def _code_of(arguments: Any) -> str:
     return code
 
 
-def _report(verdict: CheckResult) -> str:
+def verdict_report(verdict: CheckResult) -> str:
     return json.dumps(
         {
             "passed": verdict.passed,
@@ -157,7 +162,26 @@ def _report(verdict: CheckResult) -> str:
     )
 
 
-def dispatch(message: Any, task: Task, *, limits: Limits | None = None) -> list[ToolOutcome]:
+Checker = Callable[[Task, str], CheckResult]
+"""Checks one body for a task (default: :func:`policy.checker.check`, the reward's sandbox)."""
+
+
+def tool_codes(message: Any) -> list[str]:
+    """The ``code`` of every well-formed ``run_tests``/``submit`` call of a message (to check them in one batch)."""
+    out = []
+    for raw in _plain(message).get("tool_calls") or []:
+        fn = _plain(_plain(raw).get("function") or {})
+        if fn.get("name") in ("run_tests", "submit"):
+            try:
+                out.append(_code_of(fn.get("arguments", "{}")))
+            except ValueError:
+                continue
+    return out
+
+
+def dispatch(
+    message: Any, task: Task, *, limits: Limits | None = None, checker: Checker | None = None
+) -> list[ToolOutcome]:
     """Run the tool calls of one assistant message, in order, up to and including a ``submit``.
 
     Never raises for what the model wrote (bad JSON, a missing ``code``, an unknown tool: an error
@@ -178,12 +202,12 @@ def dispatch(message: Any, task: Task, *, limits: Limits | None = None) -> list[
         except ValueError as exc:
             out.append(ToolOutcome(call_id, name, False, f"error: {exc}"))
             continue
-        verdict = check(task, code, limits)
+        verdict = checker(task, code) if checker is not None else check(task, code, limits)
         if name == "submit":
-            content = f"submitted: {_report(verdict)}"
+            content = f"submitted: {verdict_report(verdict)}"
             out.append(ToolOutcome(call_id, name, True, content, verdict, submitted=True, code=code))
             break
-        out.append(ToolOutcome(call_id, name, True, _report(verdict), verdict, code=code))
+        out.append(ToolOutcome(call_id, name, True, verdict_report(verdict), verdict, code=code))
     return out
 
 
@@ -208,12 +232,110 @@ class GatewayError(RuntimeError):
     """The gateway refused a request (its OpenAI-shaped error is the message)."""
 
 
-def _chat(client: httpx.Client, session: str, body: dict[str, Any]) -> dict[str, Any]:
-    resp = client.post("/v1/chat/completions", json=body, headers={SESSION_HEADER: session})
+def _chat(client: httpx.Client, headers: dict[str, str], body: dict[str, Any]) -> dict[str, Any]:
+    resp = client.post("/v1/chat/completions", json=body, headers=headers)
     if resp.status_code != 200:
         raise GatewayError(f"{resp.status_code}: {resp.text[:500]}")
     data = resp.json()
     return dict(data["choices"][0]["message"])
+
+
+class AgentSession:
+    """One session's protocol without a transport (see the module docs).
+
+    :meth:`request` gives the next chat request (``messages``, ``tool_choice``, ``max_tokens``; None
+    once the session has ended), the caller sends it however it likes (through the gateway:
+    :func:`run_session`; in process: :mod:`policy.agent_eval`) and hands the reply's assistant
+    message (a dict with ``content`` and ``tool_calls``, or an SDK object) to :meth:`observe`.
+    """
+
+    def __init__(
+        self,
+        task: Task,
+        *,
+        session_id: str | None = None,
+        max_turns: int = 8,
+        context_budget_chars: int = 6000,
+        max_tokens: int = 256,
+        summary_max_tokens: int = 128,
+        limits: Limits | None = None,
+        system_prompt: str = SYSTEM_PROMPT,
+        tool_choice: str = "auto",
+        group: str | None = None,
+        checker: Checker | None = None,
+    ) -> None:
+        self.task = task
+        self.max_turns, self.budget = max_turns, context_budget_chars
+        self.max_tokens, self.summary_max_tokens = max_tokens, summary_max_tokens
+        self.limits, self.tool_choice, self.checker = limits, tool_choice, checker
+        self.result = AgentResult(session_id=session_id or f"agent-{uuid.uuid4().hex[:12]}", group=group)
+        self.base: list[dict[str, Any]] = [
+            {"role": "system", "content": system_prompt},
+            {"role": "user", "content": task_message(task)},
+        ]
+        self.history = list(self.base)
+        self.result.messages = self.history
+        self.turns_in_window = 0
+        self.pending: Literal["turn", "summary"] | None = None
+        self.finished = False
+
+    @property
+    def turn_index(self) -> int:
+        """The index of the request :meth:`request` gave last (its turn in telemetry)."""
+        return self.result.requests - 1
+
+    def request(self) -> dict[str, Any] | None:
+        """The next request's ``messages``, ``tool_choice`` and ``max_tokens``; None when the session is over."""
+        if self.finished or self.result.turns >= self.max_turns:
+            self.finished = True
+            return None
+        self.result.requests += 1
+        if self.turns_in_window and context_chars(self.history) > self.budget:
+            self.pending = "summary"
+            messages = [*self.history, {"role": "user", "content": SUMMARY_REQUEST}]
+            return {"messages": messages, "tool_choice": "none", "max_tokens": self.summary_max_tokens}
+        self.pending = "turn"
+        return {"messages": list(self.history), "tool_choice": self.tool_choice, "max_tokens": self.max_tokens}
+
+    def observe(self, message: Any) -> None:
+        """Take the assistant's reply to the last request: compact on a summary, else run its tools."""
+        reply = _plain(message)
+        if self.pending is None:
+            raise RuntimeError("observe() without a request() before it")
+        pending, self.pending = self.pending, None
+        if pending == "summary":
+            text = str(reply.get("content") or "")
+            marked = text if text.lstrip().startswith(SUMMARY_TEXT) else SUMMARY_TEXT + text
+            self.result.summaries += 1
+            self.history = [*self.base, {"role": "assistant", "content": marked}]
+            self.result.messages = self.history
+            self.turns_in_window = 0
+            return
+        self.result.turns += 1
+        self.turns_in_window += 1
+        assistant: dict[str, Any] = {"role": "assistant", "content": reply.get("content") or ""}
+        if reply.get("tool_calls"):
+            assistant["tool_calls"] = [_plain(c) for c in reply["tool_calls"]]
+        self.history.append(assistant)
+        if not reply.get("tool_calls"):
+            self.result.plain_replies += 1
+            self.history.append({"role": "user", "content": NUDGE})
+            return
+        for outcome in dispatch(assistant, self.task, limits=self.limits, checker=self.checker):
+            self.history.append({"role": "tool", "tool_call_id": outcome.call_id, "content": outcome.content})
+            if outcome.ok:
+                self.result.tool_calls_ok += 1
+            else:
+                self.result.tool_calls_malformed += 1
+            if outcome.submitted and outcome.verdict is not None:
+                self.result.submitted_code, self.result.verdict = outcome.code, outcome.verdict
+                self.result.reward, self.result.ended = reward_of(outcome.verdict), "submitted"
+                self.finished = True
+
+    def fail(self, error: str) -> None:
+        """End the session on a transport error (reward 0)."""
+        self.result.ended, self.result.error, self.result.reward = "error", error, 0.0
+        self.finished, self.pending = True, None
 
 
 def run_session(
@@ -232,73 +354,42 @@ def run_session(
     limits: Limits | None = None,
     system_prompt: str = SYSTEM_PROMPT,
     tools: Sequence[Mapping[str, Any]] = TOOLS,
-    distinct_window_ids: bool = True,
+    group: str | None = None,
+    tool_choice: str = "auto",
 ) -> AgentResult:
     """Run one agent session on ``task`` through the gateway ``client`` points at (see the module docs).
 
     ``client`` is an :class:`httpx.Client` on the gateway's root URL (:func:`gateway_client`).
     ``tools`` replaces the tool specs sent (shorter ones for a small context); the harness runs
     ``run_tests`` and ``submit`` whatever they say. ``seed`` is offset by the request's number.
+    ``tool_choice`` is sent with every policy turn (``required``: the model must call a tool).
     """
-    session = session_id or f"agent-{uuid.uuid4().hex[:12]}"
-    result = AgentResult(session_id=session, window_ids=[session])
-    base: list[dict[str, Any]] = [
-        {"role": "system", "content": system_prompt},
-        {"role": "user", "content": task_message(task)},
-    ]
-    history = list(base)
-    turns_in_window = 0
+    session = AgentSession(
+        task,
+        session_id=session_id,
+        max_turns=max_turns,
+        context_budget_chars=context_budget_chars,
+        max_tokens=max_tokens,
+        summary_max_tokens=summary_max_tokens,
+        limits=limits,
+        system_prompt=system_prompt,
+        tool_choice=tool_choice,
+        group=group,
+    )
     common: dict[str, Any] = {"model": model, "tools": [dict(t) for t in tools]}
     if user is not None:
         common["user"] = user
     if temperature is not None:
         common["temperature"] = temperature
-
-    def ask(messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        body = {**common, "messages": messages, **extra}
-        if seed is not None:
-            body["seed"] = seed + result.requests
-        result.requests += 1
-        return _chat(client, result.window_ids[-1], body)
-
     try:
-        while result.turns < max_turns:
-            if turns_in_window and context_chars(history) > context_budget_chars:
-                reply = ask(
-                    [*history, {"role": "user", "content": SUMMARY_REQUEST}],
-                    tool_choice="none",
-                    max_tokens=summary_max_tokens,
-                )
-                text = str(reply.get("content") or "")
-                marked = text if text.lstrip().startswith(SUMMARY_TEXT) else SUMMARY_TEXT + text
-                result.summaries += 1
-                history = [*base, {"role": "assistant", "content": marked}]
-                turns_in_window = 0
-                if distinct_window_ids:
-                    result.window_ids.append(f"{session}.w{result.summaries}")
-            reply = ask(history, tool_choice="auto", max_tokens=max_tokens)
-            result.turns += 1
-            turns_in_window += 1
-            assistant: dict[str, Any] = {"role": "assistant", "content": reply.get("content") or ""}
-            if reply.get("tool_calls"):
-                assistant["tool_calls"] = reply["tool_calls"]
-            history.append(assistant)
-            if not reply.get("tool_calls"):
-                result.plain_replies += 1
-                history.append({"role": "user", "content": NUDGE})
-                continue
-            for outcome in dispatch(assistant, task, limits=limits):
-                history.append({"role": "tool", "tool_call_id": outcome.call_id, "content": outcome.content})
-                if outcome.ok:
-                    result.tool_calls_ok += 1
-                else:
-                    result.tool_calls_malformed += 1
-                if outcome.submitted and outcome.verdict is not None:
-                    result.submitted_code, result.verdict = outcome.code, outcome.verdict
-                    result.reward, result.ended = reward_of(outcome.verdict), "submitted"
-            if result.ended == "submitted":
-                break
+        while (ask := session.request()) is not None:
+            body = {**common, **ask}
+            if seed is not None:
+                body["seed"] = seed + session.turn_index
+            headers = {SESSION_HEADER: session.result.session_id, TURN_HEADER: str(session.turn_index)}
+            if group is not None:
+                headers[GROUP_HEADER] = group
+            session.observe(_chat(client, headers, body))
     except (GatewayError, httpx.HTTPError) as exc:
-        result.ended, result.error, result.reward = "error", str(exc), 0.0
-    result.messages = history
-    return result
+        session.fail(str(exc))
+    return session.result

@@ -13,10 +13,15 @@ tokens. The format:
 - ``add_generation_prompt`` opens an assistant turn.
 
 ``arguments`` may arrive as a JSON string (OpenAI's wire form) or as an object (what vLLM passes
-after parsing); both render as the same JSON text.
+after parsing); both render as the same JSON text. :func:`read_tool_calls` reads generated text
+back the way vLLM's ``hermes`` parser does (the CPU engine and the in-process agent evaluator use
+it).
 """
 
 from __future__ import annotations
+
+import json
+import re
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -93,3 +98,31 @@ CHAT_TEMPLATE = "".join(
     ]
 )
 """Jinja source, rendered by ``transformers`` and by vLLM alike."""
+
+
+_BLOCK = re.compile(re.escape(TOOL_CALL_START) + r"(.*?)(?:" + re.escape(TOOL_CALL_END) + r"|$)", re.DOTALL)
+
+
+def _call(raw: str) -> tuple[str, str] | None:
+    try:
+        obj = json.loads(raw.strip())
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+
+
+def read_tool_calls(text: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """``(content, [(name, arguments as JSON text), ...])`` of generated text.
+
+    Text before the first ``<tool_call>`` is the content (None when empty). A block that is not a
+    JSON object with a ``name`` leaves the whole text as content and no calls (as vLLM does)."""
+    start = text.find(TOOL_CALL_START)
+    if start < 0:
+        return text, []
+    calls = [_call(match.group(1)) for match in _BLOCK.finditer(text, start)]
+    if not calls or any(c is None for c in calls):
+        return text, []
+    return text[:start].rstrip() or None, [c for c in calls if c is not None]

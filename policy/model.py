@@ -30,6 +30,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+PRESETS_REVISION = 2
+"""Bumped whenever a preset changes (2: ``tiny`` takes 1024 positions, room for agent sessions); caches key on it."""
+
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
         hidden_size=64,
@@ -41,7 +44,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_experts_per_tok=2,
         moe_intermediate_size=128,
         intermediate_size=256,
-        max_position_embeddings=512,
+        max_position_embeddings=1024,
     ),
     "small": dict(
         hidden_size=192,

@@ -1,21 +1,25 @@
 """The production RL update: the served sessions in the database, rewarded by what users did,
-trained by GRPO over candidate groups, into a new policy version (checkpoint + row).
+trained by GRPO over groups (and a baseline for single samples), into a new policy version (checkpoint + row).
 
 This is the trainer session the scheduler's ``rl_update`` step runs on borrowed replicas (the
 scheduler builds it from its settings sections and the job's :class:`TrainRequest`):
 
 - **data**: every stored session of the request's window (``since``/``until`` on the session's
   ``occurred_at``) with token ids, serving logprobs and routed experts
-  (:func:`policy.rollouts.rollouts_from_sessions`), at most ``max_staleness`` versions behind the
+  (:func:`policy.trajectories.session_trajectories`), at most ``max_staleness`` versions behind the
   version trained from (:func:`policy.rollouts.filter_stale`: older and unknown versions drop);
 - **reward**: the composite label from user signals (:func:`reward_models.labels.build_labels`:
   retention, acceptance, selection, switch) where a session has one; else the promoted reward
   model's score (:func:`reward_models.api.load_scorer`) as a keep probability ``sigmoid(score)``;
   sessions with neither are skipped;
-- **update**: GRPO advantages within each candidate group (the K choices of one request, one
-  policy version); only groups of two or more are used (a lone sample has no group baseline). Each
-  step takes ``groups_per_step`` groups from a plan fixed at the start (a seeded shuffle), so a run
-  preempted and resumed trains on exactly the same batches;
+- **trajectories**: the turns of an agent session are one trajectory (:mod:`policy.trajectories`:
+  only generated tokens trained, each turn's served logprobs, replay across turns, windows at
+  self-summaries credited with the session's final reward);
+- **update**: GRPO advantages within each group: the K choices of one request, or the sessions a
+  client ran on one task (``turn.group``); a session alone (a tab completion, an agent session
+  without a group) trains against a running per-context baseline, saved with the resume state.
+  Each step takes ``groups_per_step`` units (groups or single sessions) from a plan fixed at the
+  start (a seeded shuffle), so a run preempted and resumed trains on exactly the same batches;
 - **resume**: :meth:`ProductionSession.save` writes weights, optimizer, step and the plan (session
   ids with their rewards) to one file; :meth:`load` restores it;
 - **several processes**: constructed on every rank of a ``torchrun`` job, the session shards the
@@ -46,6 +50,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, selectinload
 
 from ingest.db import make_engine
+from policy.advantages import RunningBaseline
 from policy.config import PolicyConfig
 from policy.distributed import (
     barrier,
@@ -60,9 +65,10 @@ from policy.distributed import (
 from policy.evaluate import EvalConfig, evaluate
 from policy.model import load_checkpoint, save_checkpoint
 from policy.pipeline import train_config
-from policy.rollouts import Rollout, filter_stale, rollouts_from_sessions, version_number
+from policy.rollouts import Rollout, filter_stale, version_number
 from policy.tables import PolicyVersionRow
 from policy.trainer import make_optimizer, update_step
+from policy.trajectories import session_trajectories
 from policy.versions import latest_version, list_versions, record_version, version_id
 from reward_models.config import RewardsConfig
 
@@ -120,7 +126,8 @@ def session_rewards(
 
 
 def load_rollouts(engine: Engine, rewards: dict[str, float], *, max_tokens: int) -> list[Rollout]:
-    """Rollouts of the stored sessions that have a reward (segments loaded with the sessions)."""
+    """Rollouts of the stored sessions that have a reward (segments loaded with the sessions); the
+    turns of an agent session are joined into one trajectory (:mod:`policy.trajectories`)."""
     from ingest.tables import SessionRow
 
     with Session(engine) as db:
@@ -132,19 +139,28 @@ def load_rollouts(engine: Engine, rewards: dict[str, float], *, max_tokens: int)
                 .order_by(SessionRow.occurred_at, SessionRow.session_id)
             )
         )
-        rollouts, _ = rollouts_from_sessions(
-            rows, lambda s: rewards.get(str(getattr(s, "session_id", ""))), max_tokens=max_tokens, summary_token_id=None
+        rollouts, stats = session_trajectories(
+            rows, lambda s: rewards.get(str(getattr(s, "session_id", ""))), max_tokens=max_tokens
         )
+    if stats.sessions:
+        log.info("production.trajectories", **vars(stats))
     return rollouts
 
 
-def plan_batches(rollouts: list[Rollout], steps: int, groups_per_step: int, seed: int) -> list[list[str]]:
-    """Session ids per step: whole candidate groups (2+ members), shuffled by ``seed``, cycled."""
+def plan_batches(
+    rollouts: list[Rollout], steps: int, groups_per_step: int, seed: int, *, singles: bool = True
+) -> list[list[str]]:
+    """Session ids per step: whole candidate groups (2+ sessions) and, with ``singles``, sessions
+    alone or in a group of one (trained against the running baseline), ``groups_per_step`` units a step, shuffled by
+    ``seed`` and cycled. A session's windows always travel together (one id)."""
     groups: dict[str, list[str]] = {}
     for r in rollouts:
-        if r.group_id and r.session_id:
-            groups.setdefault(r.group_id, []).append(r.session_id)
-    usable = sorted(g for g, members in groups.items() if len(members) >= 2)
+        if r.session_id:
+            key = f"g:{r.group_id}" if r.group_id else f"s:{r.session_id}"
+            members = groups.setdefault(key, [])
+            if r.session_id not in members:
+                members.append(r.session_id)
+    usable = sorted(g for g, m in groups.items() if len(m) >= 2 or singles)
     if not usable:
         return []
     random.Random(seed).shuffle(usable)
@@ -189,11 +205,14 @@ class ProductionSession:
         plan = plan_batches(fresh, tcfg.steps, request.groups_per_step, tcfg.seed)
         if not plan:
             raise RuntimeError(
-                f"no rewarded candidate group of policy {self.parent.version_id} or the {self.cfg.max_staleness} "
-                "versions before it is stored yet; let users send requests with candidates and signals first"
+                f"no rewarded session of policy {self.parent.version_id} or the {self.cfg.max_staleness} "
+                "versions before it is stored yet; let users send requests and signals first"
             )
         self.plan = [[(sid, rewards[sid]) for sid in ids] for ids in plan]
-        self._by_id = {r.session_id: r for r in fresh}
+        self._by_id: dict[str, list[Rollout]] = {}
+        for r in fresh:
+            self._by_id.setdefault(str(r.session_id), []).append(r)
+        self.baseline = RunningBaseline()
 
     def _parent(self, version: str | None) -> PolicyVersionRow:
         if version:
@@ -214,15 +233,13 @@ class ProductionSession:
     def _batch(self, step: int) -> list[Rollout]:
         out = []
         for sid, reward in self.plan[step]:
-            r = self._by_id.get(sid)
-            if r is not None:
-                out.append(replace(r, reward=reward))
+            out += [replace(r, reward=reward) for r in self._by_id.get(sid, [])]
         return out
 
     def step(self) -> dict[str, float]:
-        """One GRPO step on the next planned batch of candidate groups."""
+        """One step on the next planned batch: GRPO over its groups, the running baseline for singles."""
         batch = self._batch(self.step_no)
-        metrics = update_step(self.model, self.opt, batch, self.tcfg)
+        metrics = update_step(self.model, self.opt, batch, self.tcfg, baseline=self.baseline)
         self.step_no += 1
         self.history.append(metrics)
         log.info("production.step", step=self.step_no, reward=round(metrics["reward/mean"], 3), rollouts=len(batch))
@@ -233,6 +250,7 @@ class ProductionSession:
         model_state, optim_state = model_and_optim_state(self.model, self.opt)
         if is_main():
             state = {"model": model_state, "optim": optim_state, "step": self.step_no}
+            state["baseline"] = self.baseline.state_dict()
             torch.save({**state, "plan": self.plan, "history": self.history, "number": self.number}, path)
         barrier()
 
@@ -242,6 +260,8 @@ class ProductionSession:
         load_model_and_optim_state(self.model, self.opt, state["model"], state["optim"])
         self.step_no, self.plan, self.history = int(state["step"]), state["plan"], state["history"]
         self.number = int(state["number"])
+        if "baseline" in state:
+            self.baseline = RunningBaseline.from_state(state["baseline"])
 
     def result(self) -> dict[str, Any]:
         """Evaluate on the held-out set, save the checkpoint and record the version row."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -45,6 +46,12 @@ class SFTConfig:
     weight_decay: float = 0.01
     max_seconds: float | None = None
     """Stop early after this much wall time (the schedule still assumes ``steps``)."""
+    agent_every: int = 0
+    """Every ``agent_every``-th step trains on agent transcripts (:mod:`policy.agent_sft`) instead of
+    completions; 0: completions only."""
+    agent_tasks: int = 600
+    """Training tasks given a scripted agent session (a fixed, seeded sample)."""
+    agent_batch_size: int = 8
 
 
 def encode_example(tokenizer: PreTrainedTokenizerBase, task: Task, body: str) -> tuple[list[int], int]:
@@ -76,16 +83,20 @@ def build_corpus(tasks: list[Task], seed: int) -> list[tuple[Task, str, str]]:
     return out
 
 
-def lm_batch(examples: list[tuple[list[int], int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ``input_ids``, ``attention_mask`` and ``labels`` (-100 outside completions)."""
+def lm_batch(
+    examples: Sequence[tuple[list[int], int | list[bool]]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ``input_ids``, ``attention_mask`` and ``labels`` (-100 where not trained): an
+    example's second item is its prompt length (the rest trained) or a mask of the trained tokens."""
     width = max(len(ids) for ids, _ in examples)
     ids = torch.full((len(examples), width), pad_id, dtype=torch.int64)
     mask = torch.zeros_like(ids)
     labels = torch.full_like(ids, -100)
-    for i, (seq, plen) in enumerate(examples):
+    for i, (seq, trained) in enumerate(examples):
         ids[i, : len(seq)] = torch.tensor(seq)
         mask[i, : len(seq)] = 1
-        labels[i, plen : len(seq)] = torch.tensor(seq[plen:])
+        keep = [k >= trained for k in range(len(seq))] if isinstance(trained, int) else trained
+        labels[i, : len(seq)] = torch.where(torch.tensor(keep), torch.tensor(seq), torch.tensor(-100))
     return ids, mask, labels
 
 
@@ -97,6 +108,17 @@ def lr_at(step: int, cfg: SFTConfig) -> float:
     return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
+def _take(order: list[int], size: int, count: int, rng: random.Random) -> list[int]:
+    """The next ``count`` indices of a shuffled epoch order over ``size`` examples (refilled when short)."""
+    if len(order) < count:
+        fresh = list(range(size))
+        rng.shuffle(fresh)
+        order += fresh
+    out = order[:count]
+    del order[:count]
+    return out
+
+
 def warmup(cfg: SFTConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, dict[str, float]]:
     """Train v0 from scratch; returns the model, its tokenizer and summary metrics."""
     tokenizer = default_tokenizer()
@@ -104,6 +126,13 @@ def warmup(cfg: SFTConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, di
     corpus = build_corpus(train_tasks(), cfg.seed)
     examples = [encode_example(tokenizer, task, body) for task, body, _ in corpus]
     rng = random.Random(cfg.seed + 1)
+    agent: list[tuple[list[int], list[bool]]] = []
+    if cfg.agent_every > 0:
+        from policy.agent_sft import agent_examples
+
+        chosen = random.Random(cfg.seed + 2).sample(train_tasks(), min(cfg.agent_tasks, len(train_tasks())))
+        agent = agent_examples(tokenizer, chosen, cfg.seed + 3, MIXES)
+    agent_order: list[int] = []
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     pad = int(tokenizer.pad_token_id)
     start = time.monotonic()
@@ -111,12 +140,11 @@ def warmup(cfg: SFTConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, di
     loss_value = float("nan")
     step = 0
     for step in range(cfg.steps):
-        if len(order) < cfg.batch_size:
-            fresh = list(range(len(examples)))
-            rng.shuffle(fresh)
-            order += fresh
-        batch = [examples[i] for i in order[: cfg.batch_size]]
-        del order[: cfg.batch_size]
+        batch: list[tuple[list[int], int | list[bool]]]
+        if agent and step % cfg.agent_every == cfg.agent_every - 1:
+            batch = [agent[i] for i in _take(agent_order, len(agent), cfg.agent_batch_size, rng)]
+        else:
+            batch = [examples[i] for i in _take(order, len(examples), cfg.batch_size, rng)]
         ids, mask, labels = lm_batch(batch, pad)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
@@ -139,5 +167,6 @@ def warmup(cfg: SFTConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, di
         "sft/frac_concise": kinds.count("concise") / len(kinds),
         "sft/frac_verbose": kinds.count("verbose") / len(kinds),
         "sft/frac_wrong": kinds.count("wrong") / len(kinds),
+        "sft/agent_examples": float(len(agent)),
     }
     return model, tokenizer, metrics

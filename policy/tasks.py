@@ -15,8 +15,14 @@ Tiers (difficulty grows with the number of parts to get right at once):
 3. edge cases: ``return max((x for x in xs if x % 3 == 0), default=-1)`` (the empty case is
    tested; the plausible wrong answer forgets it).
 
-About 2,400 tasks in all. A fixed held-out split (a hash of the spec, about 12%) is never
-trained on; :func:`heldout_eval_set` is the fixed subset the evaluator uses.
+About 2,400 tasks from 66 templates. A template is a spec's pattern with its constants as slots
+(``t1/plus-times``: ``return x plus {a} times {b}``; ``t2/list/square/divisible``: a list of the
+squares of the numbers divisible by ``{k}``; ``t3/first/parity``). The held-out split is whole
+templates (those whose key hashes to 0 mod 8: 10 templates, about 14% of the tasks, every tier),
+so a held-out task is a combination of parts the policy has seen (a list comprehension, a
+divisibility test) in a pattern it never trained on, not a sibling of a training task with other
+constants. Nothing is trained on it, the tokenizer included (:func:`tokenizer_corpus`);
+:func:`heldout_eval_set` is the fixed subset the evaluator uses.
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ class Task:
     verbose: str
     wrong: tuple[str, ...]
     size_limit: int
+    template: str = ""
+    """The spec's pattern (see the module docstring); the held-out split is by template."""
 
     @property
     def prompt(self) -> str:
@@ -52,8 +60,13 @@ class Task:
 
     @property
     def heldout(self) -> bool:
-        """True for the fixed held-out split (never trained on)."""
-        return int(hashlib.sha256(self.spec.encode()).hexdigest(), 16) % HELDOUT_MOD == 0
+        """True for the fixed held-out split: the tasks of held-out templates (never trained on)."""
+        return template_heldout(self.template)
+
+
+def template_heldout(template: str) -> bool:
+    """Whether a template is held out (its key's hash is 0 mod :data:`HELDOUT_MOD`)."""
+    return int(hashlib.sha256(template.encode()).hexdigest(), 16) % HELDOUT_MOD == 0
 
 
 OPS = {"plus": "+", "minus": "-", "times": "*"}
@@ -64,6 +77,20 @@ PREDICATES += [(f"divisible by {k}", f"x % {k} == 0") for k in range(3, 10)]
 TRANSFORMS: list[tuple[str, str]] = [("", "x"), ("the squares of ", "x * x")]
 TRANSFORMS += [(f"{k} times ", f"x * {k}") for k in range(2, 6)]
 TRANSFORMS += [(f"{k} plus ", f"x + {k}") for k in range(1, 4)]
+
+
+def _pfam(pword: str) -> str:
+    """A predicate's family (its template slot): parity, greater, less or divisible."""
+    if pword in ("that are even", "that are odd"):
+        return "parity"
+    return pword.split()[0]
+
+
+def _tfam(tword: str) -> str:
+    """A transform's family: plain, square, times or plus."""
+    if not tword:
+        return "plain"
+    return "square" if "squares" in tword else tword.split()[1]
 
 
 def _body(lines: list[str]) -> str:
@@ -100,12 +127,14 @@ def _tier1() -> list[dict[str, Any]]:
                         verbose = _body([f"y = {a} * {b}", f"y = x {o1} y", "return y"])
                     wrong = [f"x {o1} {a} {o3} {b}" for o3 in OPS.values() if o3 != o2]
                     wrong += [f"x {o1} {b} {o2} {a}", f"x {o1} ({a} {o2} {b})"]
-                    out.append(dict(tier=1, spec=spec, sig="def f(x):", expr=expr, verbose=verbose, wrong=wrong))
+                    raw = dict(tier=1, spec=spec, sig="def f(x):", expr=expr, verbose=verbose, wrong=wrong)
+                    out.append({**raw, "template": f"t1/{w1}-{w2}"})
                     expr = f"(x {o1} {a}) {o2} {b}"
                     spec = f"return x {w1} {a}, then {w2} {b}"
                     wrong = [f"x {o1} {a} {o2} {b}", f"(x {o1} {b}) {o2} {a}"]
                     wrong += [f"(x {o1} {a}) {o3} {b}" for o3 in OPS.values() if o3 != o2]
-                    out.append(dict(tier=1, spec=spec, sig="def f(x):", expr=expr, verbose=sequential, wrong=wrong))
+                    raw = dict(tier=1, spec=spec, sig="def f(x):", expr=expr, verbose=sequential, wrong=wrong)
+                    out.append({**raw, "template": f"t1/{w1}-then-{w2}"})
     return out
 
 
@@ -127,7 +156,9 @@ def _tier2() -> list[dict[str, Any]]:
                 wrong.append(f"sum({item} for x in xs)")
                 if agg == "sum" and texpr != "x":
                     wrong.append(f"sum(x for x in xs if {pred})")
-                out.append(dict(tier=2, spec=spec, sig="def f(xs):", expr=expr, verbose=verbose, wrong=wrong))
+                template = f"t2/sum/{_tfam(tword)}/{_pfam(pword)}" if agg == "sum" else f"t2/count/{_pfam(pword)}"
+                raw = dict(tier=2, spec=spec, sig="def f(xs):", expr=expr, verbose=verbose, wrong=wrong)
+                out.append({**raw, "template": template})
     for tword, texpr in TRANSFORMS:
         for pword, pred in PREDICATES:
             spec = f"return a list of {tword}the numbers in xs {pword}"
@@ -137,7 +168,8 @@ def _tier2() -> list[dict[str, Any]]:
             )
             wrong = [f"[{texpr} for x in xs if {w}]" for w in _wrong_predicates(pred)]
             wrong.append(f"[{texpr} for x in xs]")
-            out.append(dict(tier=2, spec=spec, sig="def f(xs):", expr=expr, verbose=verbose, wrong=wrong))
+            raw = dict(tier=2, spec=spec, sig="def f(xs):", expr=expr, verbose=verbose, wrong=wrong)
+            out.append({**raw, "template": f"t2/list/{_tfam(tword)}/{_pfam(pword)}"})
     return out
 
 
@@ -160,7 +192,8 @@ def _tier3() -> list[dict[str, Any]]:
                 )
                 wrong = [f"{agg}(x for x in xs if {pred})", f"{agg}((x for x in xs), default={d})"]
                 wrong += [f"{agg}((x for x in xs if {w}), default={d})" for w in _wrong_predicates(pred)]
-                out.append(dict(tier=3, spec=spec, sig="def f(xs):", expr=expr, verbose=verbose, wrong=wrong))
+                raw = dict(tier=3, spec=spec, sig="def f(xs):", expr=expr, verbose=verbose, wrong=wrong)
+                out.append({**raw, "template": f"t3/{agg}/{_pfam(pword)}"})
     for pword, pred in PREDICATES:
         for default in (-1, 0, 10, None):
             spec = f"return the first number in xs {pword.removeprefix('that are ')}, or {default} if there is none"
@@ -168,7 +201,8 @@ def _tier3() -> list[dict[str, Any]]:
             verbose = _body(["for x in xs:", f"    if {pred}:", "        return x", f"return {default}"])
             wrong = [f"next(x for x in xs if {pred})", f"next((x for x in xs), {default})"]
             wrong += [f"next((x for x in xs if {w}), {default})" for w in _wrong_predicates(pred)]
-            out.append(dict(tier=3, spec=spec, sig="def f(xs):", expr=expr, verbose=verbose, wrong=wrong))
+            raw = dict(tier=3, spec=spec, sig="def f(xs):", expr=expr, verbose=verbose, wrong=wrong)
+            out.append({**raw, "template": f"t3/first/{_pfam(pword)}"})
     return out
 
 
@@ -215,6 +249,7 @@ def _build(raw: dict[str, Any]) -> Task:
         verbose=raw["verbose"],
         wrong=tuple(wrong),
         size_limit=len(concise) + 4,
+        template=raw["template"],
     )
 
 
@@ -252,9 +287,10 @@ def task_by_id(task_id: str) -> Task:
 
 
 def tokenizer_corpus() -> list[str]:
-    """Texts the presets' tokenizer is trained on: prompts plus every solution form."""
+    """Texts the presets' tokenizer is trained on: prompts plus every solution form, of the training
+    tasks only (no held-out text shapes the vocabulary)."""
     out = []
-    for t in all_tasks():
+    for t in train_tasks():
         out.append(t.prompt + t.concise)
         out.append(t.verbose)
         out.extend(t.wrong[:1])

@@ -31,8 +31,9 @@ SPECIAL_TOKENS = (EOS, PAD, SUMMARY)
 CHAT_SPECIAL_TOKENS = (IM_START, IM_END)
 TOOL_TOKENS = (TOOL_CALL_START, TOOL_CALL_END)
 DEFAULT_VOCAB_SIZE = 512
-REVISION = 2
-"""Bumped whenever trained tokenizers change (2: chat and tool-call tokens); caches key on it."""
+REVISION = 3
+"""Bumped whenever trained tokenizers change (2: chat and tool-call tokens; 3: fitted on training
+tasks only); caches key on it."""
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE) -> PreTrainedTokenizerFast:
@@ -73,7 +74,7 @@ def wrap(tok: Tokenizer) -> PreTrainedTokenizerFast:
 
 
 def default_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE) -> PreTrainedTokenizerFast:
-    """The presets' tokenizer: trained on the coding task family's corpus (deterministic)."""
+    """The presets' tokenizer: trained on the coding task family's training corpus (deterministic)."""
     from policy.tasks import tokenizer_corpus
 
     return train_tokenizer(tokenizer_corpus(), vocab_size)

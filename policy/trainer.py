@@ -245,6 +245,23 @@ def _packed_passes(
             sums[key] = sums.get(key, 0.0) + v
 
 
+def session_advantages(batch: list[Rollout], method: str, baseline: RunningBaseline | None) -> list[float]:
+    """Advantages per rollout, computed once per session: the windows of one agent session share
+    its reward and count once in their group's mean and spread (and in the running baseline)."""
+    first: dict[str, int] = {}
+    keys = [r.session_id if r.session_id else f"#{i}" for i, r in enumerate(batch)]
+    unique = [i for i, key in enumerate(keys) if first.setdefault(key, i) == i]
+    values = compute_advantages(
+        [batch[i].reward for i in unique],
+        [batch[i].group_id for i in unique],
+        [batch[i].context for i in unique],
+        method=method,
+        baseline=baseline,
+    )
+    by_key = {keys[i]: v for i, v in zip(unique, values, strict=True)}
+    return [by_key[key] for key in keys]
+
+
 def update_step(
     model: PreTrainedModel,
     optimizer: torch.optim.Optimizer,
@@ -261,13 +278,7 @@ def update_step(
     """
     _, size = world()
     sharded = is_sharded(model)
-    advantages = compute_advantages(
-        [r.reward for r in batch],
-        [r.group_id for r in batch],
-        [r.context for r in batch],
-        method=cfg.advantage,
-        baseline=baseline,
-    )
+    advantages = session_advantages(batch, cfg.advantage, baseline)
     normalizer = float(max(1, sum(sum(r.mask) for r in batch)))
     needs_all = cfg.loss.kl_coef > 0 or cfg.loss.entropy_coef > 0 or cfg.loss.load_balance_coef > 0
     top_k = int(routers(model)[0].top_k)

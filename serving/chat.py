@@ -8,7 +8,7 @@ read back the way vLLM's ``hermes`` tool-call parser reads them, and ``tool_choi
   blocks in generated text; text before the first block is the message content. A block that is
   not a JSON object with a ``name`` leaves the whole text as content (as vLLM does).
 - ``tool_choice`` ``required`` or a named function: the engine opens the tool call for the model
-  (a forced prefix, the CPU engine's stand-in for vLLM's structured outputs). The prefix belongs
+  (a forced prefix up to ``"arguments":``, the CPU engine's stand-in for vLLM's structured outputs). The prefix belongs
   to the prompt the model continues from, so telemetry's token ids and logprobs stay exactly the
   sampled ones. With several tools under ``required``, the name is drawn from the model's own
   probabilities of each tool's name.
@@ -16,16 +16,12 @@ read back the way vLLM's ``hermes`` tool-call parser reads them, and ``tool_choi
 
 from __future__ import annotations
 
-import json
-import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from policy.chat_template import TOOL_CALL_END, TOOL_CALL_START
+from policy.chat_template import TOOL_CALL_END, TOOL_CALL_START, read_tool_calls
 from serving.protocol import ChatCompletionRequest, FunctionCall, ToolCall
-
-_BLOCK = re.compile(re.escape(TOOL_CALL_START) + r"(.*?)(?:" + re.escape(TOOL_CALL_END) + r"|$)", re.DOTALL)
 
 
 class ChatError(ValueError):
@@ -61,6 +57,12 @@ def render_prompt(tokenizer: Any, request: ChatCompletionRequest) -> list[int]:
     return [int(t) for t in rendered["input_ids"]]
 
 
+ARGUMENTS_OPENING = '", "arguments":'
+"""Where a forced prefix stops: before the space the template puts ahead of the arguments, so the
+model writes `` {...`` and the tokens match the template's rendering of the call next turn (a
+byte-level tokenizer starts a word at that space)."""
+
+
 def forced_prefix(request: ChatCompletionRequest, name: str | None = None) -> str:
     """The text that opens a tool call when ``tool_choice`` demands one ('' otherwise)."""
     mode = request.tool_mode()
@@ -70,7 +72,7 @@ def forced_prefix(request: ChatCompletionRequest, name: str | None = None) -> st
         name = request.tool_choice.function.name  # type: ignore[union-attr]
     if name is None:
         return TOOL_CALL_START + '\n{"name": "'
-    return TOOL_CALL_START + '\n{"name": "' + name + '", "arguments": '
+    return TOOL_CALL_START + '\n{"name": "' + name + ARGUMENTS_OPENING
 
 
 def tool_names(request: ChatCompletionRequest) -> list[str]:
@@ -86,30 +88,16 @@ class Reply:
     tool_calls: list[ToolCall]
 
 
-def _call(raw: str) -> ToolCall | None:
-    try:
-        obj = json.loads(raw.strip())
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-    return ToolCall(
-        id=f"chatcmpl-tool-{uuid.uuid4().hex}", function=FunctionCall(name=obj["name"], arguments=arguments)
-    )
-
-
 def parse_tool_calls(text: str) -> Reply:
-    """Content and tool calls of generated text (hermes format)."""
-    start = text.find(TOOL_CALL_START)
-    if start < 0:
-        return Reply(text, [])
-    calls = [_call(match.group(1)) for match in _BLOCK.finditer(text, start)]
-    if not calls or any(c is None for c in calls):
-        return Reply(text, [])
-    content = text[:start].rstrip()
-    return Reply(content or None, [c for c in calls if c is not None])
+    """Content and tool calls of generated text (hermes format, :func:`policy.chat_template.read_tool_calls`)."""
+    content, calls = read_tool_calls(text)
+    return Reply(
+        content,
+        [
+            ToolCall(id=f"chatcmpl-tool-{uuid.uuid4().hex}", function=FunctionCall(name=name, arguments=arguments))
+            for name, arguments in calls
+        ],
+    )
 
 
 def forced_reply(prefix: str, generated: str, name: str) -> Reply:
@@ -118,7 +106,7 @@ def forced_reply(prefix: str, generated: str, name: str) -> Reply:
     reply = parse_tool_calls(prefix + generated)
     if reply.tool_calls:
         return Reply(None, reply.tool_calls)
-    rest = generated.split(TOOL_CALL_END, 1)[0].rstrip()
+    rest = generated.split(TOOL_CALL_END, 1)[0].strip()
     if prefix.endswith('"name": "'):
         rest = rest.split('", "arguments": ', 1)[-1] if '", "arguments": ' in rest else "{}"
     if rest.endswith("}") and rest.count("{") < rest.count("}"):

@@ -29,7 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from serving import generation
-from serving.chat import ChatError, forced_prefix, render_prompt, tool_names
+from serving.chat import ARGUMENTS_OPENING, ChatError, forced_prefix, render_prompt, tool_names
 from serving.config import EngineConfig
 from serving.generation import Job
 from serving.memory import reserve, retain_freed_memory
@@ -232,7 +232,7 @@ def create_engine_app(runner: ModelRunner, updater: WeightUpdater, config: Engin
             name = names[0]
             if len(names) > 1:
                 opening = runner.encode_prompt(forced_prefix(request))
-                options = [runner.encode_prompt(n + '", "arguments": ') for n in names]
+                options = [runner.encode_prompt(n + ARGUMENTS_OPENING) for n in names]
                 pick = await asyncio.to_thread(
                     runner.choose, prompt_ids + opening, options, temperature=request.temperature, seed=request.seed
                 )

@@ -38,7 +38,7 @@ import math
 import time
 import uuid
 from collections import Counter, defaultdict, deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -309,8 +309,15 @@ class Gateway:
             return await self._stream("/v1/completions", body, served, k, chat=False, wants=wants)
         return await self._whole("/v1/completions", body, served, k, chat=False, wants=wants)
 
-    async def chat(self, req: GatewayChatRequest, session_header: str | None, client: ClientKey = OPEN) -> Response:
-        """``/v1/chat/completions``: one turn of a (possibly multi-turn) session, whole or streamed."""
+    async def chat(
+        self,
+        req: GatewayChatRequest,
+        session_header: str | None,
+        client: ClientKey = OPEN,
+        headers: Mapping[str, str] | None = None,
+    ) -> Response:
+        """``/v1/chat/completions``: one turn of a (possibly multi-turn) session, whole or streamed
+        (``headers``: the request's, for the turn index and session group a client may send)."""
         k = req.candidates or req.n
         if k > self.config.max_candidates:
             return self.fail(400, f"candidates/n {k} exceeds the gateway's limit of {self.config.max_candidates}")
@@ -323,12 +330,17 @@ class Gateway:
         user = self._user(client, req.user, session)
         if isinstance(user, JSONResponse):
             return user
+        try:
+            turn_index = turns.explicit_turn((headers or {}).get(turns.TURN_HEADER), req.metadata)
+            group = turns.session_group((headers or {}).get(turns.GROUP_HEADER), req.metadata)
+        except ValueError as exc:
+            return self.fail(400, str(exc))
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         body = req.model_dump(
             exclude={"user", "session_id", "candidates", "metadata", "model"}, exclude_none=True, mode="json"
         )
         body.update(n=k, return_token_ids=True, logprobs=True, top_logprobs=req.top_logprobs or 0)
-        base, turn, group_id = turns.link(session, messages, k)
+        base, turn, group_id = turns.link(session, messages, k, turn_index)
         served = turns.Request(
             model=self.model_name,
             user=user,
@@ -338,6 +350,7 @@ class Gateway:
             messages=messages,
             session=session,
             turn=turn,
+            session_group=group if session is not None else None,
             base_id=base,
             group_id=group_id,
         )
@@ -628,7 +641,7 @@ def create_gateway_app(gateway: Gateway, background: list[Callable[[], Awaitable
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(req: GatewayChatRequest, request: Request) -> Response:
-        return await gateway.chat(req, request.headers.get(turns.SESSION_HEADER), request.state.client)
+        return await gateway.chat(req, request.headers.get(turns.SESSION_HEADER), request.state.client, request.headers)
 
     @app.post("/v1/signals")
     async def signals(request: Request) -> JSONResponse:

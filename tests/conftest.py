@@ -1,4 +1,4 @@
-"""Shared fixtures: the embedded broker, and databases on both SQLite and PostgreSQL.
+"""Shared fixtures: the embedded broker, databases on both SQLite and PostgreSQL, and the sandbox check.
 
 ``db_url`` is parametrized over both backends; the PostgreSQL case runs against the machine's
 server (127.0.0.1:5432, trust auth) in a fresh database per test and skips with a reason where
@@ -133,3 +133,15 @@ def fresh_broker() -> Iterator[object]:
     b.start()
     yield b
     b.stop()
+
+
+@pytest.fixture(scope="session")
+def sandbox() -> None:
+    """Skips the test where the checker's sandbox cannot run (no user namespaces): the tools and
+    rewards of the agent tests run candidates in it."""
+    from policy.checker import SandboxUnavailable, require_sandbox
+
+    try:
+        require_sandbox()
+    except SandboxUnavailable as exc:
+        pytest.skip(str(exc))

@@ -13,6 +13,7 @@ from scheduler.cli import (
     db_cmds,
     demo_cmds,
     gateway_keys_cmds,
+    gpu_cmds,
     ingest_cmds,
     jobs_cmds,
     policy_cmds,
@@ -43,6 +44,7 @@ for module in (
     sandbox_cmds,
     api_cmds,
     demo_cmds,
+    gpu_cmds,
 ):
     module.register(app)
 

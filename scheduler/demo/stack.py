@@ -40,14 +40,14 @@ V0_ID = "v0000"
 def v0_cache(settings: Settings, cache_root: Path, *, sft_steps: int, eval_cfg: Any) -> tuple[Path, dict[str, Any]]:
     """The cached v0 checkpoint and its held-out metrics; trained (warm-up) and evaluated when missing."""
     from policy.evaluate import evaluate
-    from policy.model import save_checkpoint
+    from policy.model import PRESETS_REVISION, save_checkpoint
     from policy.sft import SFTConfig, warmup
     from policy.tokenizer import REVISION
 
     cfg = settings.policy
     key = (
         f"v0-{cfg.preset}-seed{cfg.seed}-sft{sft_steps}-eval{eval_cfg.per_tier}x{eval_cfg.samples_per_task}"
-        f"-tok{REVISION}"
+        f"-tok{REVISION}-m{PRESETS_REVISION}"
     )
     path = cache_root / key
     meta = path / "demo_metrics.json"

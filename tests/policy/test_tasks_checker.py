@@ -20,6 +20,26 @@ def test_family_is_large_tiered_and_split() -> None:
     assert task_by_id(evalset[0].task_id) == evalset[0]
 
 
+def test_held_out_tasks_come_from_templates_never_trained_on_in_every_tier() -> None:
+    held, train = heldout_tasks(), train_tasks()
+    held_templates = {t.template for t in held}
+    assert held_templates.isdisjoint({t.template for t in train})
+    assert {t.tier for t in held} == {1, 2, 3}
+    assert 0.08 < len(held) / len(all_tasks()) < 0.2
+    # a held-out template is a new combination of parts that training does show
+    assert "t2/list/plus/divisible" in held_templates
+    assert any(t.template.startswith("t2/list/") for t in train)
+    assert any(t.template.endswith("/divisible") for t in train)
+
+
+def test_the_tokenizer_is_fitted_without_held_out_text() -> None:
+    from policy.tasks import tokenizer_corpus
+
+    corpus = "\n".join(tokenizer_corpus())
+    assert all(t.prompt not in corpus for t in heldout_tasks())  # no held-out spec shaped the vocabulary
+    assert all(t.prompt in corpus for t in train_tasks()[::50])
+
+
 def test_reference_solutions_behave_as_labelled() -> None:
     sample = list(all_tasks())[::23]
     items = []

@@ -93,9 +93,11 @@ def consume(bootstrap: str, topic: str, n: int, timeout_s: float = 30.0) -> list
 
 
 @contextmanager
-def telemetry_gateway(engine_url: str, bootstrap: str, spool: Path, prefix: str) -> Iterator[tuple[str, str, Any]]:
-    """A gateway (no keys) in front of one engine whose telemetry goes to a fresh topic on the broker;
-    yields its URL, the topic and the :class:`serving.gateway.Gateway`."""
+def telemetry_gateway(
+    engine_url: str | list[str], bootstrap: str, spool: Path, prefix: str
+) -> Iterator[tuple[str, str, Any]]:
+    """A gateway (no keys) in front of one engine (or several) whose telemetry goes to a fresh topic on
+    the broker; yields its URL, the topic and the :class:`serving.gateway.Gateway`."""
     from ingest.embedded import create_topics
     from ingest.producer import TelemetryProducer
     from serving.config import GatewayConfig
@@ -111,7 +113,10 @@ def telemetry_gateway(engine_url: str, bootstrap: str, spool: Path, prefix: str)
         retry_interval_s=0.3,
     )
     gateway = Gateway(
-        static_replicas([engine_url], "v0"), emitter, GatewayConfig(max_prompt_chars=4000), "undertow-policy"
+        static_replicas([engine_url] if isinstance(engine_url, str) else engine_url, "v0"),
+        emitter,
+        GatewayConfig(max_prompt_chars=4000),
+        "undertow-policy",
     )
     with ServerThread(create_gateway_app(gateway)) as srv:
         yield srv.url, topic, gateway

@@ -21,7 +21,6 @@ from policy.agent import (
     run_session,
     task_message,
 )
-from policy.checker import SandboxUnavailable, require_sandbox
 from policy.tasks import Task, all_tasks
 from policy.windows import SUMMARY_TEXT
 
@@ -45,14 +44,6 @@ def stack(one_engine, broker, tmp_path_factory) -> Iterator[Stack]:  # type: ign
         _gateway,
     ):
         yield Stack(url, broker.bootstrap, topic)
-
-
-@pytest.fixture(scope="module")
-def sandbox() -> None:
-    try:
-        require_sandbox()
-    except SandboxUnavailable as exc:
-        pytest.skip(str(exc))
 
 
 def _call(name: str, arguments: str) -> dict[str, Any]:
@@ -89,7 +80,6 @@ def test_a_session_runs_turns_through_the_gateway_summarises_and_hits_the_turn_l
     assert result.error is None, result.error
     assert (result.ended, result.reward, result.turns, result.submitted_code) == ("turn_limit", 0.0, 3, None)
     assert result.summaries >= 1 and result.requests == result.turns + result.summaries
-    assert result.window_ids == [session] + [f"{session}.w{k}" for k in range(1, result.summaries + 1)]
     marked = [m for m in result.messages if m["role"] == "assistant" and m["content"].startswith(SUMMARY_TEXT)]
     assert result.messages[:2] == base and len(marked) == 1 and result.messages[2] is marked[0]
 
@@ -99,24 +89,26 @@ def test_a_session_runs_turns_through_the_gateway_summarises_and_hits_the_turn_l
         events = [
             e
             for e in consume(stack.bootstrap, stack.topic, 10_000, timeout_s=3)
-            if (e.get("payload") or {}).get("turn", {}).get("session_id") in result.window_ids
+            if (e.get("payload") or {}).get("turn", {}).get("session_id") == session
         ]
         if len(events) >= result.requests:
             break
     assert len(events) == result.requests
     ids = [e["session_id"] for e in events]
     assert len(set(ids)) == len(ids), f"every turn has its own id, so ingest stores each: {ids}"
+    assert sorted(e["payload"]["turn"]["index"] for e in events) == list(range(result.requests))
     asks = [e for e in events if e["payload"]["prompt"]["messages"][-1]["content"] == SUMMARY_REQUEST]
     assert len(asks) == result.summaries
 
     # after a compaction the model sees system + task + the summary, opening with the summary token
     summary_id = AutoTokenizer.from_pretrained(versions.checkpoint).convert_tokens_to_ids(SUMMARY_TEXT)
-    later = [e for e in events if e["payload"]["turn"]["session_id"] != session]
+    first_ask = min(e["payload"]["turn"]["index"] for e in asks)
+    later = [e for e in events if e["payload"]["turn"]["index"] > first_ask]
     assert later and all(summary_id in e["payload"]["prompt"]["token_ids"] for e in later)
     for e in later:
         sent = e["payload"]["prompt"]["messages"]
         assert sent[:2] == base and sent[2]["role"] == "assistant" and sent[2]["content"].startswith(SUMMARY_TEXT)
-    first = [e for e in events if e["payload"]["turn"]["session_id"] == session and e not in asks]
+    first = [e for e in events if e["payload"]["turn"]["index"] < first_ask]
     assert first and all(summary_id not in e["payload"]["prompt"]["token_ids"] for e in first)
     assert all(summary_id in e["payload"]["prompt"]["token_ids"] for e in asks), "the request names the marker"
     assert any(m.get("content") == NUDGE for e in events for m in e["payload"]["prompt"]["messages"])

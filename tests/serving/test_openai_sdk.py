@@ -182,6 +182,31 @@ def test_tools_and_a_multi_turn_session_in_telemetry(stack: Stack, versions) -> 
     _served_exactly(turns, versions.checkpoint)
 
 
+def test_a_client_numbers_its_turns_and_names_its_session_group(stack: Stack) -> None:
+    """After a compaction the assistant messages are counted from zero again: the client's own index
+    keeps the turns apart, and the session group it names is stored with every turn."""
+    session = f"numbered-{uuid.uuid4().hex[:8]}"
+    client = stack.client()
+    for index in (0, 5):  # turn 5 comes after a compaction: no assistant message in the conversation
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "def f(x):"}],
+            max_tokens=2,
+            extra_headers={"x-session-id": session, "x-turn-index": str(index), "x-session-group": "task-7"},
+        )
+    client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "def f(x):"}],
+        max_tokens=2,
+        metadata={"session_id": session, "turn_index": "9", "session_group": "task-7"},
+    )
+    turns = _turns(stack, session, 3)
+    assert [e["session_id"] for e in turns] == [f"{session}.t0", f"{session}.t5", f"{session}.t9"]
+    assert [e["payload"]["turn"] for e in turns] == [
+        {"session_id": session, "index": i, "group": "task-7"} for i in (0, 5, 9)
+    ]
+
+
 def _turns(stack: Stack, session: str, n: int) -> list[dict[str, Any]]:
     from ingest.schemas import validate_event
 
@@ -323,6 +348,25 @@ def test_a_streamed_candidate_group_is_one_turn_with_k_sessions(stack: Stack) ->
         ([{"role": "assistant", "content": None}], {}, "content or tool_calls"),
         ([{"role": "user", "content": "x"}], {"n": 99}, "limit"),
         ([{"role": "user", "content": "x"}], {"extra_headers": {"x-session-id": "s" * 101}}, "session id"),
+        (
+            [{"role": "user", "content": "x"}],
+            {"extra_headers": {"x-session-id": "s", "x-turn-index": "-1"}},
+            "turn index",
+        ),
+        (
+            [{"role": "user", "content": "x"}],
+            {"extra_headers": {"x-session-id": "s", "x-turn-index": "1e3"}},
+            "turn index",
+        ),
+        (
+            [{"role": "user", "content": "x"}],
+            {"extra_headers": {"x-session-id": "s", "x-turn-index": "9" * 40}},
+            "turn index",
+        ),
+        ([{"role": "user", "content": "x"}], {"metadata": {"session_id": "s", "turn_index": "²"}}, "turn index"),
+        ([{"role": "user", "content": "x"}], {"extra_body": {"metadata": {"turn_index": True}}}, "turn index"),
+        ([{"role": "user", "content": "x"}], {"extra_headers": {"x-session-group": "g" * 101}}, "session group"),
+        ([{"role": "user", "content": "x"}], {"extra_body": {"metadata": {"session_group": 7}}}, "session group"),
     ],
 )
 def test_bad_chat_input_in_openai_error_shape_and_counted(stack: Stack, messages, extra, needle) -> None:  # type: ignore[no-untyped-def]

@@ -50,11 +50,20 @@ def _rollout(group: str | None, sid: str) -> Rollout:
 
 def test_batch_plan_keeps_groups_whole_and_is_deterministic() -> None:
     rollouts = [_rollout(f"g{g}", f"g{g}-{i}") for g in range(5) for i in range(4)]
-    rollouts += [_rollout(None, "single"), _rollout("lonely", "lonely-0")]  # no group baseline: unused
-    plan = plan_batches(rollouts, steps=3, groups_per_step=2, seed=7)
-    assert plan == plan_batches(rollouts, steps=3, groups_per_step=2, seed=7)
+    rollouts += [_rollout(None, "single"), _rollout("lonely", "lonely-0")]  # no group baseline
+    plan = plan_batches(rollouts, steps=3, groups_per_step=2, seed=7, singles=False)
+    assert plan == plan_batches(rollouts, steps=3, groups_per_step=2, seed=7, singles=False)
     assert len(plan) == 3 and all(len(step) == 8 for step in plan)
     for step in plan:
         groups = {sid.rsplit("-", 1)[0] for sid in step}
         assert len(groups) == 2 and "single" not in step and "lonely-0" not in step
-    assert plan_batches([_rollout(None, "a")], steps=2, groups_per_step=2, seed=0) == []
+    assert plan_batches([_rollout(None, "a")], steps=2, groups_per_step=2, seed=0, singles=False) == []
+
+
+def test_batch_plan_trains_single_sessions_and_keeps_a_sessions_windows_together() -> None:
+    rollouts = [_rollout("g", f"g-{i}") for i in range(3)]
+    rollouts += [_rollout(None, "single"), _rollout("lonely", "lonely-0")]
+    rollouts += [_rollout(None, "agent"), _rollout(None, "agent")]  # two windows of one session
+    plan = plan_batches(rollouts, steps=4, groups_per_step=4, seed=3)
+    assert all(sorted(step) == sorted(["g-0", "g-1", "g-2", "single", "lonely-0", "agent"]) for step in plan)
+    assert plan_batches([_rollout(None, "a")], steps=2, groups_per_step=2, seed=0) == [["a"], ["a"]]
