@@ -89,7 +89,7 @@ def test_bad_arguments_are_rejected(tiny) -> None:  # type: ignore[no-untyped-de
     with pytest.raises(ValueError):
         generate(tiny, [], max_tokens=3)
     with pytest.raises(ValueError):
-        generate(tiny, [0], max_tokens=1000)  # beyond the context window
+        generate(tiny, [0], max_tokens=tiny.config.max_position_embeddings)  # beyond the context window
     with pytest.raises(ValueError):
         generate(tiny, [0], max_tokens=3, top_p=0.0)
     with pytest.raises(ValueError):
