@@ -217,6 +217,7 @@ def main() -> None:
     from safetensors.torch import load_file
 
     from ingest.db import make_engine, upgrade
+    from ingest.embedded import free_ports
     from policy.config import WeightsConfig
     from policy.weights import WeightStore
     from serving import fleet
@@ -235,8 +236,11 @@ def main() -> None:
         stack = contextlib.ExitStack()
         store_url = stack.enter_context(remote_store(root, args.link_mbit)) if args.link_mbit else str(root / "store")
         # Replicas boot (in parallel) while the next versions are published.
+        ports = free_ports(3)
         procs = [
-            EngineProcess(ckpt, "v0", store_url, log_path=logs / f"engine-{i}.log" if logs else None).start()
+            EngineProcess(
+                ckpt, "v0", store_url, port=ports[i], log_path=logs / f"engine-{i}.log" if logs else None
+            ).start()
             for i in range(3)
         ]
         try:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from ingest.embedded import free_port
+from ingest.embedded import free_port, free_ports
 
 
 @dataclass
@@ -73,8 +73,8 @@ class EngineProcess:
                     f"engine on port {self.port} exited with code {self.process.returncode}; see {self.log_path}"
                 )
             try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return self
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200 and self.process.poll() is None:
+                    return self  # answered, and by a live process of ours (not another on the same port)
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
@@ -100,9 +100,12 @@ class EngineProcess:
 def start_engines(
     checkpoint: Path, n: int, *, store: str | Path | None, version: str = "v0", log_dir: Path | None = None
 ) -> list[EngineProcess]:
-    """Start ``n`` replicas in parallel and wait for all of them."""
+    """Start ``n`` replicas in parallel (on ``n`` distinct ports) and wait for all of them."""
+    ports = free_ports(n)
     procs = [
-        EngineProcess(checkpoint, version, store, log_path=(log_dir / f"engine-{i}.log") if log_dir else None).start()
+        EngineProcess(
+            checkpoint, version, store, port=ports[i], log_path=(log_dir / f"engine-{i}.log") if log_dir else None
+        ).start()
         for i in range(n)
     ]
     try:
