@@ -46,6 +46,7 @@ from policy.checker import CheckResult, Limits, check
 from policy.tasks import Task
 from policy.windows import SUMMARY_TEXT
 
+# The gateway's headers (serving.turns defines them; the policy layer does not import serving).
 SESSION_HEADER = "x-session-id"
 TURN_HEADER = "x-turn-index"
 GROUP_HEADER = "x-session-group"

@@ -430,7 +430,6 @@ def run_check(cfg: CheckConfig) -> dict[str, Any]:
     store.put(v0, version="v0", full=True)
 
     with _Server(cfg, v0, store_dir, workdir, batch_invariant=False) as server:
-        out["server_command"] = server.command if cfg.backend == "vllm" else ["undertow", "engine", "serve"]
         out["vllm_command"], out["vllm_env"] = server.command, server.env
         plain, events, rewards = _sessions(cfg, server.url, "plain", cfg.sessions)
         model_v0 = served_model(v0)
