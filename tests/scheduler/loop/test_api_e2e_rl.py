@@ -107,10 +107,11 @@ def test_rl_run_trains_on_exactly_the_requested_window(
 
 
 def _ids(engine: object, since: datetime | None, until: datetime | None) -> list[str]:
-    """Session ids of candidate groups (what GRPO trains on) in ``[since, until)``."""
+    """Session ids in ``[since, until)``: candidate groups and single sessions, both of which the
+    update trains on (singles against the running baseline)."""
     from ingest.tables import SessionRow
 
-    query = select(SessionRow.session_id).where(SessionRow.group_id.is_not(None))
+    query = select(SessionRow.session_id)
     if since is not None:
         query = query.where(SessionRow.occurred_at >= since)
     if until is not None:
