@@ -10,10 +10,12 @@ Measured on the ``tiny`` Qwen3-MoE preset, side by side with its baselines, in o
   (same attention, a dense MLP of ``top_k * moe_intermediate_size``);
 - ``replay_overhead``: update time with routing replay over without, minus 1 (target < 5%);
 - ``packed_tokens_per_s`` / ``one_at_a_time_tokens_per_s`` / ``packed_speedup``: the same update
-  (replay on) with rollouts packed into rows of ``pack_tokens`` (:mod:`policy.packing`) and with one
-  forward per rollout, interleaved on the same model and the same batch of the trainer's default
-  step shape (8 tasks x 6 samples, ``max_tokens`` 48; ``packed_batch`` gives sequences, mean
-  length and ``pack_tokens``); target speedup >= 3;
+  (replay on) with rollouts packed into rows of ``pack_tokens`` (:mod:`policy.packing`), ``pack_rows``
+  rows per forward (one forward and backward for the whole step here), and with one forward per
+  rollout, interleaved on the same model and the same batch of the trainer's default step shape
+  (8 tasks x 6 samples, ``max_tokens`` 48; ``packed_batch`` gives sequences, mean length,
+  ``pack_tokens`` and ``pack_rows``; measured once the warm-up process has finished, on a quiet
+  core, in steady state: blocks of steps per mode, :func:`time_blocks`); target speedup >= 3;
 - ``peak_rss_mb``: this process's peak resident memory at the end of the run;
 - ``logprob_gap_replay``: max |served - trainer| logprob with replay on the shared forward path
   (target exactly 0 on CPU);
@@ -93,9 +95,31 @@ def time_updates(model, batch: list[Rollout], cfgs: list[TrainConfig], repeats: 
     return [float(np.median(ts)) for ts in times]
 
 
-PACK_TOKENS = 256
-"""Rows of the packed measurement: four of the task family's ~64-token rollouts (128..384 measured
-within 7% of each other; longer rows pay for the masked-out part of eager attention)."""
+def time_blocks(model, batch: list[Rollout], cfgs: list[TrainConfig], rounds: int, steps: int) -> list[float]:  # type: ignore[no-untyped-def]
+    """Median CPU seconds of one update step per config in steady state: each config runs blocks of
+    one untimed step then ``steps`` timed ones, the configs' blocks alternating for ``rounds``.
+
+    A trainer runs one mode step after step; alternating single steps (:func:`time_updates`) would
+    make the packed path pay for the allocator churn of the other path (its large per-step buffers
+    are given back and faulted in again, about 10k page faults a step)."""
+    opts = [make_optimizer(model, cfg) for cfg in cfgs]
+    times: list[list[float]] = [[] for _ in cfgs]
+    for _ in range(rounds):
+        for cfg, opt, ts in zip(cfgs, opts, times, strict=True):
+            update_step(model, opt, batch, cfg)
+            for _ in range(steps):
+                start = time.process_time()
+                update_step(model, opt, batch, cfg)
+                ts.append(time.process_time() - start)
+    return [float(np.median(ts)) for ts in times]
+
+
+PACK_TOKENS = 96
+"""Rows of the packed measurement: one or two of the task family's ~64-token rollouts. With every row
+in one forward, short rows are best: eager attention pays for a row's masked-out part, quadratic
+in its length (measured per update: 256-token rows 0.23 s, 128 0.157 s, 96 0.144 s, 72 0.150 s)."""
+PACK_ROWS = 64
+"""Packed rows per forward: more than the default step's 48 rollouts fill, so one forward."""
 
 
 def packing_figures(tokenizer) -> dict[str, object]:  # type: ignore[no-untyped-def]
@@ -106,8 +130,12 @@ def packing_figures(tokenizer) -> dict[str, object]:  # type: ignore[no-untyped-
         model, tokenizer, n=defaults.tasks_per_step * defaults.group_size, max_tokens=defaults.max_tokens
     )
     lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in batch]
-    t_one, t_packed = time_updates(
-        model, batch, [TrainConfig(lr=1e-4), TrainConfig(lr=1e-4, pack_tokens=PACK_TOKENS)], repeats=3
+    t_one, t_packed = time_blocks(
+        model,
+        batch,
+        [TrainConfig(lr=1e-4), TrainConfig(lr=1e-4, pack_tokens=PACK_TOKENS, pack_rows=PACK_ROWS)],
+        rounds=2,
+        steps=3,
     )
     return {
         "packed_tokens_per_s": sum(lengths) / t_packed,
@@ -118,8 +146,15 @@ def packing_figures(tokenizer) -> dict[str, object]:  # type: ignore[no-untyped-
             "mean_length": float(np.mean(lengths)),
             "mean_prompt_length": float(np.mean([len(r.prompt_ids) for r in batch])),
             "pack_tokens": PACK_TOKENS,
+            "pack_rows": PACK_ROWS,
         },
     }
+
+
+def packing_figures_fresh() -> dict[str, object]:
+    """:func:`packing_figures` in the process it runs in (single-threaded, the presets' tokenizer)."""
+    torch.set_num_threads(1)
+    return packing_figures(default_tokenizer())
 
 
 def dense_twin(vocab: int) -> Qwen3ForCausalLM:
@@ -237,7 +272,6 @@ def main() -> None:
         "moe_params": num_parameters(fresh),
         "moe_active_params": active_parameters(fresh),
         "dense_params": num_parameters(dense),
-        **packing_figures(tokenizer),
     }
     if proc is None:
         result["v0_source"] = str(v0_dir)
@@ -248,6 +282,12 @@ def main() -> None:
         result["v0_source"] = (
             f"warm-up here ({args.sft_steps} steps, in a second process during the throughput measurements; not timed)"
         )
+    # after the warm-up process (a whole step in one forward is memory-bound, so a busy second core
+    # would tax the packed path more than the one-at-a-time path it is compared with), in a fresh
+    # process (the heap this one built up in the measurements above slows the packed path's large
+    # per-step buffers: 2.5x here against 3.0 to 3.3x in a fresh process, measured)
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        result.update(pool.apply(packing_figures_fresh))
     policy, tok = load_checkpoint(v0_dir)
     scratch.cleanup()
     eval_cfg = EvalConfig(per_tier=args.per_tier, samples_per_task=4)

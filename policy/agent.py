@@ -5,9 +5,11 @@ The protocol, one session:
 - The conversation opens with :data:`SYSTEM_PROMPT` and the task (:func:`task_message`); every
   request carries the two tools of :data:`TOOLS` in OpenAI's format. ``run_tests(code)`` runs a
   body under the task's signature against its hidden tests in the checker's sandbox
-  (:func:`policy.checker.check`, the path the reward uses) and answers with the verdict;
-  ``submit(code)`` checks it the same way and ends the session with the reward the task family
-  defines (:func:`policy.rollouts.task_reward`: 1 kept, 0.2 only passed, else 0).
+  (:func:`policy.checker.check`, the path the reward uses) and answers with the verdict; the body
+  becomes the session's workspace. ``submit(code)`` checks a body the same way and ends the
+  session with the reward the task family defines (:func:`policy.rollouts.task_reward`: 1 kept,
+  0.2 only passed, else 0); ``submit()`` without ``code`` submits the workspace (the last body
+  ``run_tests`` checked), as an agent in a repository submits its working tree.
 - Each policy turn is one ``POST /v1/chat/completions`` with the ``x-session-id`` header, so the
   gateway links the turns of the session in telemetry. Tool calls are run in order and answered
   as ``tool`` messages. Malformed arguments (not a JSON object with a string ``code``) and
@@ -52,7 +54,8 @@ TURN_HEADER = "x-turn-index"
 GROUP_HEADER = "x-session-group"
 SYSTEM_PROMPT = (
     "You are a coding agent. Write the body of the function the user asks for. "
-    "run_tests(code) runs it on hidden tests; submit(code) ends the session."
+    "run_tests(code) runs it on hidden tests; submit() submits the last body tested "
+    "(or submit(code) that body) and ends the session."
 )
 TOOLS: list[dict[str, Any]] = [
     {
@@ -60,15 +63,15 @@ TOOLS: list[dict[str, Any]] = [
         "function": {
             "name": name,
             "description": description,
-            "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+            "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": required},
         },
     }
-    for name, description in (
-        ("run_tests", "Run the function body on the hidden tests."),
-        ("submit", "Submit the function body; ends the session."),
+    for name, description, required in (
+        ("run_tests", "Run the function body on the hidden tests.", ["code"]),
+        ("submit", "Submit the function body (default: the last one tested); ends the session.", []),
     )
 ]
-NUDGE = "Call run_tests(code) or submit(code)."
+NUDGE = "Call run_tests(code) or submit()."
 SUMMARY_REQUEST = f"Context full: summarise the task and your progress, starting with {SUMMARY_TEXT}"
 Ended = Literal["submitted", "turn_limit", "error"]
 
@@ -108,6 +111,8 @@ class AgentResult:
     plain_replies: int = 0
     """Replies without a tool call (answered with :data:`NUDGE`)."""
     summaries: int = 0
+    workspace: str | None = None
+    """The last body ``run_tests`` checked (what ``submit()`` submits)."""
     submitted_code: str | None = None
     verdict: CheckResult | None = None
     reward: float = 0.0
@@ -135,8 +140,11 @@ def _plain(message: Any) -> dict[str, Any]:
     raise TypeError(f"not an assistant message: {type(message).__name__}")
 
 
-def _code_of(arguments: Any) -> str:
-    """The ``code`` argument, or ValueError saying what is wrong with the arguments."""
+def _code_of(arguments: Any, *, required: bool = True) -> str | None:
+    """The ``code`` argument (None when absent and not ``required``), or ValueError saying what is
+    wrong with the arguments."""
+    if arguments in (None, "") and not required:
+        return None
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
@@ -145,6 +153,8 @@ def _code_of(arguments: Any) -> str:
     if not isinstance(arguments, dict):
         raise ValueError("arguments must be a JSON object")
     code = arguments.get("code")
+    if code is None and not required:
+        return None
     if not isinstance(code, str):
         raise ValueError('arguments need a string "code"')
     return code
@@ -168,25 +178,35 @@ Checker = Callable[[Task, str], CheckResult]
 
 
 def tool_codes(message: Any) -> list[str]:
-    """The ``code`` of every well-formed ``run_tests``/``submit`` call of a message (to check them in one batch)."""
+    """The ``code`` of every well-formed ``run_tests``/``submit`` call of a message (to check them in
+    one batch; a ``submit()`` of the workspace names no code: it was checked when tested)."""
     out = []
     for raw in _plain(message).get("tool_calls") or []:
         fn = _plain(_plain(raw).get("function") or {})
         if fn.get("name") in ("run_tests", "submit"):
             try:
-                out.append(_code_of(fn.get("arguments", "{}")))
+                code = _code_of(fn.get("arguments", "{}"), required=fn.get("name") == "run_tests")
             except ValueError:
                 continue
+            if code is not None:
+                out.append(code)
     return out
 
 
 def dispatch(
-    message: Any, task: Task, *, limits: Limits | None = None, checker: Checker | None = None
+    message: Any,
+    task: Task,
+    *,
+    limits: Limits | None = None,
+    checker: Checker | None = None,
+    workspace: str | None = None,
 ) -> list[ToolOutcome]:
     """Run the tool calls of one assistant message, in order, up to and including a ``submit``.
 
-    Never raises for what the model wrote (bad JSON, a missing ``code``, an unknown tool: an error
-    outcome); :class:`policy.checker.SandboxUnavailable` does propagate (no reward without it).
+    ``workspace`` is the last body ``run_tests`` checked before this message (what ``submit()``
+    without code submits); each ``run_tests`` of the message replaces it. Never raises for what the
+    model wrote (bad JSON, a missing ``code``, ``submit()`` with nothing tested, an unknown tool: an
+    error outcome); :class:`policy.checker.SandboxUnavailable` does propagate (no reward without it).
     """
     calls = _plain(message).get("tool_calls") or []
     out: list[ToolOutcome] = []
@@ -199,10 +219,15 @@ def dispatch(
             out.append(ToolOutcome(call_id, name, False, f"error: unknown tool {name!r}; the tools are {known}"))
             continue
         try:
-            code = _code_of(fn.get("arguments", "{}"))
+            given = _code_of(fn.get("arguments", "{}"), required=name == "run_tests")
         except ValueError as exc:
             out.append(ToolOutcome(call_id, name, False, f"error: {exc}"))
             continue
+        code = given if given is not None else workspace
+        if code is None:
+            out.append(ToolOutcome(call_id, name, False, "error: nothing to submit; call run_tests(code) first"))
+            continue
+        workspace = code if name == "run_tests" else workspace
         verdict = checker(task, code) if checker is not None else check(task, code, limits)
         if name == "submit":
             content = f"submitted: {verdict_report(verdict)}"
@@ -322,7 +347,12 @@ class AgentSession:
             self.result.plain_replies += 1
             self.history.append({"role": "user", "content": NUDGE})
             return
-        for outcome in dispatch(assistant, self.task, limits=self.limits, checker=self.checker):
+        outcomes = dispatch(
+            assistant, self.task, limits=self.limits, checker=self.checker, workspace=self.result.workspace
+        )
+        for outcome in outcomes:
+            if outcome.name == "run_tests" and outcome.code is not None:
+                self.result.workspace = outcome.code
             self.history.append({"role": "tool", "tool_call_id": outcome.call_id, "content": outcome.content})
             if outcome.ok:
                 self.result.tool_calls_ok += 1

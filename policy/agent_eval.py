@@ -32,7 +32,7 @@ from policy.checker import CheckResult, check_many
 from policy.forward import sample_batch
 from policy.tasks import Task, heldout_eval_set
 
-AGENT_SYSTEM_PROMPT = "Coding agent. run_tests(code) checks a body; submit(code) ends."
+AGENT_SYSTEM_PROMPT = "Coding agent. run_tests(code) checks a body; submit() ends with the last body tested."
 """The short system prompt the tiny presets' agent is trained and evaluated with (512-token context)."""
 AGENT_TOOLS: list[dict[str, Any]] = [
     {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}

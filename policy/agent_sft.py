@@ -3,11 +3,13 @@
 Each transcript is a real :class:`policy.agent.AgentSession` (the harness's own protocol: system
 prompt and task, tool results from the checker, nudges, the context budget and self-summaries)
 driven by a scripted writer instead of a model: it tries bodies drawn from the warm-up's mix
-(concise, verbose, wrong, :data:`policy.sft.MIXES`), calls ``run_tests`` on each, submits the
-first that is kept, and after ``max_attempts`` submits the best it saw; asked for a summary, it
-writes ``<|summary|>`` and what it last tried and how that went. Every request of the session is
-one example: the prompt the engine would render, then the scripted reply as the chat template
-renders an assistant turn, trained on the reply only (through ``<|im_end|>``).
+(concise, verbose, wrong, :data:`policy.sft.MIXES`), calls ``run_tests`` on each, and submits the
+workspace (``submit()``: the body just tested) as soon as one is kept, or after ``max_attempts``;
+asked for a summary, it writes ``<|summary|>``, how many bodies it tried and how the last went.
+Every request of the session is one example: the prompt the engine would render, then the
+scripted reply as the chat template renders an assistant turn, trained on the reply only (through
+``<|im_end|>``). The same transcripts, as text, are part of the tokenizer's corpus
+(:func:`transcript_texts`), so the protocol's framing is a few tokens.
 
 So v0 speaks the protocol and writes plausible bodies with the warm-up's mix of quality, which RL
 then shifts, as it does for single completions.
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -33,8 +35,8 @@ Example = tuple[list[int], list[bool]]
 """Token ids and the loss mask (True on the tokens trained)."""
 
 
-def _call(name: str, code: str, n: int) -> dict[str, Any]:
-    arguments = json.dumps({"code": code})
+def _call(name: str, code: str | None, n: int) -> dict[str, Any]:
+    arguments = json.dumps({"code": code} if code is not None else {})
     return {"id": f"call-{n}", "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
@@ -59,20 +61,25 @@ class _Writer:
         if session.pending == "summary":
             if not self.tried:
                 return {"role": "assistant", "content": f"{SUMMARY_TEXT} nothing tried yet"}
-            code, verdict = self.tried[-1]
+            verdict = self.tried[-1][1]
             state = "kept" if verdict and verdict.kept else "passed" if verdict and verdict.passed else "failed"
-            return {"role": "assistant", "content": f"{SUMMARY_TEXT} tried {json.dumps(code)}: {state}"}
+            return {"role": "assistant", "content": f"{SUMMARY_TEXT} tried {len(self.tried)}, last {state}"}
         self.calls += 1
         last = self.tried[-1] if self.tried else None
-        if last is not None and last[1] is not None and last[1].kept:
-            return {"role": "assistant", "content": "", "tool_calls": [_call("submit", last[0], self.calls)]}
-        if len(self.tried) >= self.max_attempts:
-            best = max(self.tried, key=lambda t: (bool(t[1] and t[1].passed), -len(t[0])))
-            return {"role": "assistant", "content": "", "tool_calls": [_call("submit", best[0], self.calls)]}
+        if last is not None and ((last[1] is not None and last[1].kept) or len(self.tried) >= self.max_attempts):
+            return {"role": "assistant", "content": "", "tool_calls": [_call("submit", None, self.calls)]}
         code = self.body()
         verdict = verdicts.get(code)
         self.tried.append((code, verdict))
         return {"role": "assistant", "content": "", "tool_calls": [_call("run_tests", code, self.calls)]}
+
+
+def _nominal(task: Task, body: str) -> CheckResult:
+    size = len(body.rstrip())
+    if body in task.wrong:
+        return CheckResult(False, 0, size, False, "failed", 1)
+    kept = body == task.concise
+    return CheckResult(True, 1, size, kept, "passed" if kept else "body too long", 1)
 
 
 def _example(
@@ -93,22 +100,24 @@ def _example(
     return prompt_ids + reply_ids, [False] * len(prompt_ids) + [True] * len(reply_ids)
 
 
-def agent_examples(
-    tokenizer: PreTrainedTokenizerBase,
+def transcripts(
     tasks: Sequence[Task],
     seed: int,
     mixes: dict[int, tuple[float, float, float]],
     *,
     cfg: AgentEvalConfig | None = None,
     max_attempts: int = 3,
-    max_tokens: int = 1024,
-) -> list[Example]:
-    """One scripted session per task, every request of it an example (longer than ``max_tokens``: left out)."""
+    sandbox: bool = True,
+) -> Iterator[tuple[list[dict[str, Any]], dict[str, Any]]]:
+    """Every request of one scripted session per task: ``(messages sent, scripted reply)``.
+
+    The bodies are checked in the sandbox; with ``sandbox=False`` they get the verdicts their kind
+    stands for (concise kept, verbose passed, wrong failed), which is enough for the text's shape."""
     cfg = cfg or AgentEvalConfig()
     rng = random.Random(seed)
     items = [(t, b) for t in tasks for b in dict.fromkeys([t.concise, t.verbose, *t.wrong])]
-    checked = dict(zip(((t.task_id, b) for t, b in items), check_many(items), strict=True))
-    out: list[Example] = []
+    results = check_many(items) if sandbox else [_nominal(t, b) for t, b in items]
+    checked = dict(zip(((t.task_id, b) for t, b in items), results, strict=True))
     for task in tasks:
         verdicts = {b: checked[(task.task_id, b)] for b in dict.fromkeys([task.concise, task.verbose, *task.wrong])}
 
@@ -127,8 +136,36 @@ def agent_examples(
         writer = _Writer(task, rng, mixes[task.tier], max_attempts)
         while (ask := session.request()) is not None:
             reply = writer.reply(session, verdicts)
-            example = _example(tokenizer, ask["messages"], reply)
-            if example is not None and len(example[0]) <= max_tokens:
-                out.append(example)
+            yield ask["messages"], reply
             session.observe(reply)
+
+
+def agent_examples(
+    tokenizer: PreTrainedTokenizerBase,
+    tasks: Sequence[Task],
+    seed: int,
+    mixes: dict[int, tuple[float, float, float]],
+    *,
+    cfg: AgentEvalConfig | None = None,
+    max_attempts: int = 3,
+    max_tokens: int = 1024,
+) -> list[Example]:
+    """One scripted session per task, every request of it an example (longer than ``max_tokens``: left out)."""
+    out: list[Example] = []
+    for messages, reply in transcripts(tasks, seed, mixes, cfg=cfg, max_attempts=max_attempts):
+        example = _example(tokenizer, messages, reply)
+        if example is not None and len(example[0]) <= max_tokens:
+            out.append(example)
     return out
+
+
+def transcript_texts(
+    tokenizer: PreTrainedTokenizerBase, tasks: Sequence[Task], seed: int, mixes: dict[int, tuple[float, float, float]]
+) -> list[str]:
+    """Each request of the scripted sessions with its reply, rendered by ``tokenizer``'s chat template
+    as text (only the template is used: any Undertow tokenizer renders the same text)."""
+    tools: Any = list(AGENT_TOOLS)
+    return [
+        str(tokenizer.apply_chat_template([*messages, reply], tools=tools, tokenize=False))
+        for messages, reply in transcripts(tasks, seed, mixes, sandbox=False)
+    ]

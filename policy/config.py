@@ -58,6 +58,13 @@ class PolicyConfig(BaseModel):
     """Several trainer processes (torchrun): ``fsdp`` shards weights, grads and optimizer; ``ddp`` replicates."""
     pack_tokens: int = Field(default=0, ge=0)
     """Pack RL rollouts into rows of at most N tokens, one forward per row (faster); 0: one per forward, bit-exact."""
+    pack_rows: int = Field(default=1, ge=1)
+    """Packed rows per forward (with ``pack_tokens``): a batch of rows, one forward and backward for all."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the trainer runs: ``auto`` is one GPU per process when CUDA is present (NCCL between
+    processes), else the CPU (gloo)."""
+    autocast: Literal["auto", "bf16", "off"] = "auto"
+    """Mixed precision of the training forward: ``auto`` is bf16 autocast on CUDA and none on CPU."""
 
 
 def resolve_store_url(url: str, home: Path) -> str:

@@ -3,9 +3,10 @@
 The trainer runs unchanged in one process; under ``torchrun`` (``WORLD_SIZE`` > 1) these helpers
 make N processes compute the update one process would:
 
-- :func:`init_from_env` joins the process group ``torchrun`` describes and returns
-  ``(rank, world)``. The backend is gloo: the trainer keeps its tensors on the CPU (placing
-  shards on GPUs and switching to NCCL is the step a GPU trainer adds).
+- :func:`train_device` picks where the trainer runs: ``cuda:<LOCAL_RANK>`` when CUDA is present
+  (one GPU per process, as ``torchrun`` starts them), else the CPU; :func:`init_from_env` joins the
+  process group ``torchrun`` describes with the backend for that device (NCCL on GPUs, gloo on
+  CPUs, :func:`backend_for`) and returns ``(rank, world)``.
 - :func:`shard` applies FSDP2 (:func:`torch.distributed.fsdp.fully_shard`) per decoder layer and
   at the root: parameters, gradients and optimizer state are split across ranks (each holds
   ``1/world`` of every tensor, as a ``DTensor``), whole layers are all-gathered for the forward
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import gc
 import os
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -58,13 +59,53 @@ def is_main() -> bool:
     return world()[0] == 0
 
 
-def init_from_env() -> tuple[int, int]:
-    """Join the process group ``torchrun`` set up in the environment; ``(0, 1)`` without one."""
+def train_device(requested: str = "auto") -> torch.device:
+    """The trainer's device: ``auto`` takes ``cuda:<LOCAL_RANK>`` when CUDA is available and the CPU
+    otherwise; ``cuda`` insists (an error without a GPU); ``cpu`` stays on the CPU."""
+    if requested not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda (got {requested!r})")
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("device cuda was asked for, but torch sees no CUDA device; use auto or cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+
+
+def backend_for(device: torch.device) -> str:
+    """The collective backend for ``device``: NCCL between GPUs, gloo between CPU processes."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_from_env(device: torch.device | None = None) -> tuple[int, int]:
+    """Join the process group ``torchrun`` set up in the environment, with the backend for ``device``
+    (default :func:`train_device`); ``(0, 1)`` without one."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return world()
     if not dist.is_initialized():
-        dist.init_process_group("gloo")
+        device = device or train_device()
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend_for(device))
     return world()
+
+
+M = TypeVar("M", bound=torch.nn.Module)
+
+
+def place(model: M, device: torch.device) -> M:
+    """``model`` moved (in place) to ``device``; returned for chaining."""
+    torch.nn.Module.to(model, device)
+    return model
+
+
+def on_cpu(model: M) -> M:
+    """``model`` itself when its weights are on the CPU, else a float32 copy there (evaluation and
+    checkpoints run on the CPU whatever device trained)."""
+    if all(p.device.type == "cpu" for p in model.parameters()):
+        return model
+    import copy
+
+    return copy.deepcopy(model).to("cpu").float().eval()
 
 
 def shutdown() -> None:

@@ -4,6 +4,8 @@ For each task of the fixed held-out evaluation set (:func:`policy.tasks.heldout_
 policy samples ``samples_per_task`` completions at the serving temperature with a fixed seed;
 each body is checked in the sandbox. Reported per tier and overall: ``pass_rate`` (all tests
 pass), ``keep_rate`` (pass-and-keep: passes and is concise enough to keep) and mean size.
+With ``agent_per_tier > 0``, the agent's held-out task success over multi-turn sessions with tools
+(:func:`policy.agent_eval.evaluate_agent`) is added under ``eval/agent/...``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ class EvalConfig:
     seed: int = 1234
     per_tier: int = 32
     batch_size: int = 64
+    agent_per_tier: int = 0
+    """Held-out tasks per tier given agent sessions (:mod:`policy.agent_eval`); 0: none."""
+    agent_samples: int = 1
+    """Agent sessions per held-out task."""
 
 
 def decode_body(tokenizer: PreTrainedTokenizerBase, token_ids: list[int]) -> str:
@@ -87,7 +93,8 @@ def summarize(tasks: list[Task], results: list[list[CheckResult]]) -> dict[str, 
 def evaluate(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: EvalConfig | None = None
 ) -> dict[str, float]:
-    """Pass-and-keep rate of ``model`` on the held-out evaluation set."""
+    """Pass-and-keep rate of ``model`` on the held-out evaluation set; with ``agent_per_tier``, also the
+    agent's held-out task success (``eval/agent/success``, ``eval/agent/mean_turns``, ...)."""
     cfg = cfg or EvalConfig()
     tasks = heldout_eval_set(cfg.per_tier)
     samples = sample_bodies(
@@ -103,4 +110,16 @@ def evaluate(
     flat = [(t, body) for t, rows in zip(tasks, samples, strict=True) for _, body in rows]
     checked = check_many(flat)
     per_task = [checked[i * cfg.samples_per_task : (i + 1) * cfg.samples_per_task] for i in range(len(tasks))]
-    return summarize(tasks, per_task)
+    metrics = summarize(tasks, per_task)
+    if cfg.agent_per_tier > 0:
+        from policy.agent_eval import AgentEvalConfig, evaluate_agent
+
+        agent_cfg = AgentEvalConfig(
+            tasks_per_tier=cfg.agent_per_tier,
+            samples_per_task=cfg.agent_samples,
+            temperature=cfg.temperature,
+            seed=cfg.seed,
+            batch_size=cfg.batch_size,
+        )
+        metrics.update({f"eval/{k}": v for k, v in evaluate_agent(model, tokenizer, agent_cfg).items()})
+    return metrics

@@ -161,7 +161,8 @@ def forward_tokens(
     routed_experts: np.ndarray | torch.Tensor | None = None,
 ) -> ForwardOutput:
     """One full-sequence pass (batch of one) with autograd; see the module docstring."""
-    ids = torch.as_tensor(np.asarray(token_ids, dtype=np.int64)).reshape(1, -1)
+    device = next(iter(model.parameters())).device
+    ids = torch.as_tensor(np.asarray(token_ids, dtype=np.int64)).reshape(1, -1).to(device)
     total = ids.shape[1]
     if not 1 <= prompt_len <= total:
         raise ValueError(f"prompt_len {prompt_len} must be in [1, {total}] (the first token is never scored)")
@@ -178,6 +179,7 @@ def forward_tokens(
         num_experts = routers(model)[0].num_experts
         if replay.numel() and (int(replay.min()) < 0 or int(replay.max()) >= num_experts):
             raise ValueError(f"routed_experts holds expert ids outside [0, {num_experts})")
+        replay = replay.to(device)
     state = _Routing(replay=replay)
     _STATE.routing = state
     try:
@@ -234,8 +236,8 @@ def score_tokens(
     with torch.no_grad():
         out = forward_tokens(model, token_ids, prompt_len=prompt_len, routed_experts=routed_experts)
     return ScoreOutput(
-        logprobs=out.logprobs.numpy().astype(np.float32),
-        routed_experts=out.routed_experts.numpy().astype(np.int32),
+        logprobs=out.logprobs.cpu().numpy().astype(np.float32),
+        routed_experts=out.routed_experts.cpu().numpy().astype(np.int32),
     )
 
 
@@ -297,16 +299,18 @@ def sample_batch(
     if max_tokens == 0:
         return list(zip(outputs, finish, strict=True))
     install_routing(model)
+    device = next(iter(model.parameters())).device
     ids = torch.full((n, longest), pad_token_id, dtype=torch.int64)
     mask = torch.zeros((n, longest), dtype=torch.int64)
     for i, p in enumerate(prompts):
         ids[i, longest - len(p) :] = torch.tensor([int(t) for t in p])
         mask[i, longest - len(p) :] = 1
+    ids, mask = ids.to(device), mask.to(device)  # the model's device; sampling itself runs on the CPU
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     alive = [True] * n
     with torch.no_grad():
         kv: dict[str, Any] = {_cache_kwarg(model): DynamicCache(), "use_cache": True}
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, **kv).logits[:, -1]
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, **kv).logits[:, -1].cpu()
         for step in range(max_tokens):
             nxt = _sample(logits, temperature, top_p, gen)
             emitted: list[SampledToken] = []
@@ -325,9 +329,10 @@ def sample_batch(
                 break
             if not any(alive) or step == max_tokens - 1:
                 break
-            mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.int64)], dim=1)
+            mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.int64, device=device)], dim=1)
             positions = positions[:, -1:] + 1
-            logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=positions, **kv).logits[:, -1]
+            step_ids = nxt[:, None].to(device)
+            logits = model(input_ids=step_ids, attention_mask=mask, position_ids=positions, **kv).logits[:, -1].cpu()
     return list(zip(outputs, finish, strict=True))
 
 

@@ -4,6 +4,10 @@
   over sequence lengths; every sequence lands in exactly one row, and no row holds more than
   ``pack_tokens`` tokens unless a single sequence is longer (it then gets a row of its own).
   Deterministic: ties break by index, so every rank computes the same rows.
+- :func:`forward_packed_rows`: several such rows in one forward, a batch ``[rows, L]`` (shorter
+  rows padded; a pad attends only to itself and reaches no output), so one forward covers a whole
+  step's rollouts and the per-forward overhead (the MoE dispatch of every layer, kernel launches)
+  is paid once.
 - :func:`forward_packed` ``(model, sequences, prompt_lens, routed_experts=None) -> list[ForwardOutput]``:
   one forward of the sequences laid end to end in a row of batch one, with positions that restart
   at 0 for each sequence and a block-diagonal causal mask (a 4D additive float mask, which
@@ -135,37 +139,81 @@ def forward_packed(
     """One forward of ``sequences`` packed in a row; per-sequence outputs as :func:`forward_tokens` gives."""
     if not sequences:
         return []
-    lengths = [len(s) for s in sequences]
-    for n, p in zip(lengths, prompt_lens, strict=True):
-        if not 1 <= p <= n:
-            raise ValueError(f"prompt_len {p} must be in [1, {n}] (the first token is never scored)")
+    return forward_packed_rows(model, [sequences], [prompt_lens], routed_experts=[routed_experts])[0]
+
+
+def forward_packed_rows(
+    model: PreTrainedModel,
+    rows: Sequence[Sequence[Sequence[int]]],
+    prompt_lens: Sequence[Sequence[int]],
+    *,
+    routed_experts: Sequence[Sequence[np.ndarray | torch.Tensor | None] | None] | None = None,
+) -> list[list[ForwardOutput]]:
+    """One forward of several packed rows as a batch ``[rows, L]``; per row, per sequence, the outputs
+    :func:`forward_tokens` gives for that sequence alone (to float rounding).
+
+    Rows shorter than the longest are padded at the end; a pad token attends only to itself and is
+    routed by the router, and nothing of it reaches an output. Each row keeps its own positions and
+    block-diagonal mask, so a row sees exactly what :func:`forward_packed` shows it."""
+    if not rows:
+        return []
     device = model_device(model)
     dtype = next(iter(model.parameters())).dtype
-    ids = torch.tensor([int(t) for s in sequences for t in s], dtype=torch.int64, device=device).reshape(1, -1)
+    lengths = [[len(s) for s in row] for row in rows]
+    for row_lengths, row_prompts in zip(lengths, prompt_lens, strict=True):
+        for n, p in zip(row_lengths, row_prompts, strict=True):
+            if not 1 <= p <= n:
+                raise ValueError(f"prompt_len {p} must be in [1, {n}] (the first token is never scored)")
+    width = max(sum(row) for row in lengths)
+    ids = torch.zeros((len(rows), width), dtype=torch.int64, device=device)
+    positions = torch.zeros((len(rows), width), dtype=torch.int64, device=device)
+    segment = torch.full((len(rows), width), -1, dtype=torch.int64)  # each token's sequence in its row; -1: pad
+    for b, (row, row_lengths) in enumerate(zip(rows, lengths, strict=True)):
+        total = sum(row_lengths)
+        ids[b, :total] = torch.tensor([int(t) for s in row for t in s], dtype=torch.int64, device=device)
+        positions[b, :total] = packed_positions(row_lengths, device)[0]
+        segment[b, :total] = torch.repeat_interleave(torch.arange(len(row_lengths)), torch.tensor(row_lengths))
+    segment = segment.to(device)
+    causal = torch.ones((width, width), dtype=torch.bool, device=device).tril()
+    allowed = causal & (segment[:, :, None] == segment[:, None, :]) & (segment[:, :, None] >= 0)
+    allowed |= torch.eye(width, dtype=torch.bool, device=device)  # a pad attends to itself alone
+    mask = torch.zeros((len(rows), 1, width, width), dtype=dtype, device=device)
+    mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
     replay = natural = None
-    if routed_experts is not None:
-        replay, natural = _replay_rows(model, lengths, routed_experts)
+    if routed_experts is not None and any(r is not None for r in routed_experts):
+        layers = install_routing(model)
+        top_k = int(routers(model)[0].top_k)
+        replay = torch.zeros((len(rows) * width, layers, top_k), dtype=torch.int64, device=device)
+        natural = torch.ones(len(rows) * width, dtype=torch.bool, device=device)
+        for b, row_lengths in enumerate(lengths):
+            served = routed_experts[b]
+            if served is not None:
+                total = sum(row_lengths)
+                row_replay, row_natural = _replay_rows(model, row_lengths, served)
+                replay[b * width : b * width + total] = row_replay
+                natural[b * width : b * width + total] = row_natural
     logits, router_logits, experts = forward_routed(
-        model,
-        ids,
-        position_ids=packed_positions(lengths, device),
-        attention_mask=block_causal_mask(lengths, dtype, device),
-        replay=replay,
-        natural=natural,
+        model, ids, position_ids=positions, attention_mask=mask, replay=replay, natural=natural
     )
-    log_probs = torch.log_softmax(logits[0], dim=-1)
-    outs = []
-    start = 0
-    for n, p in zip(lengths, prompt_lens, strict=True):
-        span = log_probs[start + p - 1 : start + n - 1]
-        targets = ids[0, start + p : start + n]
-        outs.append(
-            ForwardOutput(
-                logprobs=span.gather(1, targets[:, None])[:, 0],
-                entropy=-(span.exp() * span).sum(-1),
-                router_logits=[layer[start : start + n] for layer in router_logits],
-                routed_experts=experts[start : start + n - 1],
+    log_probs = torch.log_softmax(logits, dim=-1)
+    # every position's next-token logprob and entropy at once, then sliced per sequence (one op
+    # each for the whole batch instead of one per sequence, in the forward and in the backward)
+    next_logprobs = log_probs[:, :-1].gather(2, ids[:, 1:, None])[..., 0]
+    entropy = -(log_probs[:, :-1].exp() * log_probs[:, :-1]).sum(-1)
+    out: list[list[ForwardOutput]] = []
+    for b, (row_lengths, row_prompts) in enumerate(zip(lengths, prompt_lens, strict=True)):
+        outs = []
+        start = 0
+        for n, p in zip(row_lengths, row_prompts, strict=True):
+            flat = b * width + start
+            outs.append(
+                ForwardOutput(
+                    logprobs=next_logprobs[b, start + p - 1 : start + n - 1],
+                    entropy=entropy[b, start + p - 1 : start + n - 1],
+                    router_logits=[layer[flat : flat + n] for layer in router_logits],
+                    routed_experts=experts[flat : flat + n - 1],
+                )
             )
-        )
-        start += n
-    return outs
+            start += n
+        out.append(outs)
+    return out

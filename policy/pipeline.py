@@ -25,7 +25,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
 from policy.config import PolicyConfig
-from policy.distributed import broadcast, shard, unsharded_copy, world
+from policy.distributed import broadcast, on_cpu, place, shard, train_device, unsharded_copy, world
 from policy.evaluate import EvalConfig, evaluate
 from policy.losses import LossConfig
 from policy.model import load_checkpoint, save_checkpoint
@@ -49,6 +49,8 @@ def train_config(cfg: PolicyConfig, steps: int | None = None) -> TrainConfig:
         max_staleness=cfg.max_staleness,
         loss=LossConfig(level=cfg.loss_level),
         pack_tokens=cfg.pack_tokens,
+        pack_rows=cfg.pack_rows,
+        autocast=cfg.autocast,
     )
 
 
@@ -97,6 +99,7 @@ def run_rl_versions(
     for _ in range(versions):
         number = (version_number(parent.version_id) or 0) + 1
         model, tokenizer = load_checkpoint(parent.checkpoint_path)
+        place(model, train_device(cfg.device))
         if world()[1] > 1 and cfg.parallel == "fsdp":
             shard(model)
         tcfg = train_config(cfg, steps)
@@ -106,6 +109,7 @@ def run_rl_versions(
         whole = unsharded_copy(model)  # rank 0 only: evaluation and the checkpoint need whole tensors
         row_dict: dict[str, Any] | None = None
         if whole is not None:
+            whole = on_cpu(whole)
             summary.update(evaluate(whole, tokenizer, eval_cfg))
             path = save_checkpoint(whole, tokenizer, root / version_id(number))
             row = record_version(

@@ -58,7 +58,10 @@ from policy.distributed import (
     is_main,
     load_model_and_optim_state,
     model_and_optim_state,
+    on_cpu,
+    place,
     shard,
+    train_device,
     unsharded_copy,
     world,
 )
@@ -192,6 +195,7 @@ class ProductionSession:
         self.tcfg = tcfg
         self.eval_cfg = EvalConfig(**request.eval)
         self.model, self.tokenizer = load_checkpoint(self.parent.checkpoint_path)
+        place(self.model, train_device(self.cfg.device))
         if world()[1] > 1 and self.cfg.parallel == "fsdp":
             shard(self.model)
         self.opt = make_optimizer(self.model, tcfg)
@@ -208,10 +212,11 @@ class ProductionSession:
                 f"no rewarded session of policy {self.parent.version_id} or the {self.cfg.max_staleness} "
                 "versions before it is stored yet; let users send requests and signals first"
             )
-        self.plan = [[(sid, rewards[sid]) for sid in ids] for ids in plan]
         self._by_id: dict[str, list[Rollout]] = {}
         for r in fresh:
             self._by_id.setdefault(str(r.session_id), []).append(r)
+        # an agent session's id is not a stored row's: its reward is the one its trajectory carries
+        self.plan = [[(sid, self._by_id[sid][0].reward) for sid in ids] for ids in plan]
         self.baseline = RunningBaseline()
 
     def _parent(self, version: str | None) -> PolicyVersionRow:
@@ -276,6 +281,7 @@ class ProductionSession:
         whole = unsharded_copy(self.model)  # rank 0 only: evaluation and the checkpoint need whole tensors
         if whole is None:
             return dict(broadcast(None))
+        whole = on_cpu(whole)
         metrics.update(evaluate(whole, self.tokenizer, self.eval_cfg))
         vid = version_id(self.number)
         path = save_checkpoint(whole, self.tokenizer, self.root / vid)

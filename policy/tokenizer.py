@@ -16,6 +16,7 @@ engine does.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -30,10 +31,12 @@ SUMMARY = "<|summary|>"
 SPECIAL_TOKENS = (EOS, PAD, SUMMARY)
 CHAT_SPECIAL_TOKENS = (IM_START, IM_END)
 TOOL_TOKENS = (TOOL_CALL_START, TOOL_CALL_END)
-DEFAULT_VOCAB_SIZE = 512
-REVISION = 3
+DEFAULT_VOCAB_SIZE = 1024
+REVISION = 4
 """Bumped whenever trained tokenizers change (2: chat and tool-call tokens; 3: fitted on training
-tasks only); caches key on it."""
+tasks only; 4: agent transcripts in the corpus, 1024 tokens); caches key on it."""
+PROTOCOL_TASKS = 200
+"""Training tasks whose scripted agent transcripts join the corpus (:func:`default_tokenizer`)."""
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE) -> PreTrainedTokenizerFast:
@@ -74,10 +77,26 @@ def wrap(tok: Tokenizer) -> PreTrainedTokenizerFast:
 
 
 def default_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE) -> PreTrainedTokenizerFast:
-    """The presets' tokenizer: trained on the coding task family's training corpus (deterministic)."""
-    from policy.tasks import tokenizer_corpus
+    """The presets' tokenizer (deterministic): trained on the coding task family's training corpus
+    and on the agent harness's transcripts of :data:`PROTOCOL_TASKS` training tasks, rendered with
+    the chat template (system prompt, tool specs, calls, verdicts, summaries), so an agent turn's
+    framing costs a few tokens and the tiny presets' context holds a whole session."""
+    return wrap(Tokenizer.from_str(_default_tokenizer_json(vocab_size)))
 
-    return train_tokenizer(tokenizer_corpus(), vocab_size)
+
+@functools.lru_cache(maxsize=4)
+def _default_tokenizer_json(vocab_size: int) -> str:
+    import random
+
+    from policy.agent_sft import transcript_texts
+    from policy.sft import MIXES
+    from policy.tasks import tokenizer_corpus, train_tasks
+
+    corpus = tokenizer_corpus()
+    template_only = train_tokenizer(corpus, 512)  # renders the transcripts (its vocabulary plays no part)
+    tasks = random.Random(0).sample(train_tasks(), PROTOCOL_TASKS)
+    trained = train_tokenizer(corpus + transcript_texts(template_only, tasks, 0, MIXES), vocab_size)
+    return str(trained.backend_tokenizer.to_str())
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:

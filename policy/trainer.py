@@ -37,18 +37,24 @@ weights and optimizer keyed by parameter name, baseline, step; rank 0 writes) ev
 uninterrupted run, and two runs with one seed produce bit-identical weights (CPU, same thread
 count and world size).
 
+Devices (:func:`policy.distributed.train_device`): one GPU per process when CUDA is present
+(``cuda:<LOCAL_RANK>``, NCCL between processes), else the CPU (gloo). The training forward runs
+under bf16 autocast on CUDA (``TrainConfig.autocast``; weights, gradients, optimizer state and the
+loss stay float32) and in float32 on CPU, where the trainer's logprobs equal the served ones bit
+for bit. Packed rows can go several to a forward (``pack_rows``: a batch ``[rows, pack_tokens]``,
+:func:`policy.packing.forward_packed_rows`).
+
 Left out: PPO multi-epoch minibatching over one batch (each batch is used for one step, so the
 proximal policy equals the served one and the ratio starts at 1; the clip and truncated IS
-matter for stale production data); several packed rows per forward (rows go one at a time);
-bf16 autocast (it would break the train/serve logprob equality that replay provides); GPU
-placement (the packed path makes its tensors on the model's device, but shards stay on the
-CPU and the backend is gloo; NCCL and device meshes are what a GPU trainer adds); and
-sharded checkpoints (states are gathered whole on rank 0, which is right for the shipped
-presets and not for models that do not fit one host).
+matter for stale production data), and sharded checkpoints (states are gathered whole on rank 0,
+which is right for the shipped presets and not for models that do not fit one host). The CUDA
+path (placement, autocast, NCCL) runs here only as far as a CPU can take it: bf16 autocast is
+tested on the CPU, the device and backend choice by unit tests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -78,9 +84,9 @@ from policy.distributed import (
     unsharded_copy,
     world,
 )
-from policy.forward import forward_tokens, routers
+from policy.forward import ForwardOutput, forward_tokens, routers
 from policy.losses import LossConfig, LossInputs, load_balancing_loss, policy_loss
-from policy.packing import PackedRow, forward_packed, model_device, pack_sequences
+from policy.packing import PackedRow, forward_packed_rows, model_device, pack_sequences
 from policy.rollouts import Rollout, StalenessStats, filter_stale, rollouts_from_tasks
 from policy.tasks import train_tasks
 
@@ -110,6 +116,22 @@ class TrainConfig:
     """0: one forward per rollout (batch of one, logprobs bit-equal to the served ones on CPU).
     N > 0: rollouts packed into rows of at most N tokens, one forward per row (:mod:`policy.packing`);
     the same loss and gradients to float rounding, several times the throughput on CPU."""
+    pack_rows: int = 1
+    """Packed rows per forward (a batch ``[pack_rows, pack_tokens]``): one forward and backward then
+    covers that many rows, so the per-forward overhead is paid once per group of rows."""
+    autocast: str = "auto"
+    """Mixed precision of the training forward: ``auto`` (bf16 autocast on CUDA, none on CPU, where
+    float32 keeps the logprobs equal to the served ones), ``bf16`` (on any device) or ``off``.
+    Weights, gradients and the optimizer stay float32; the loss is computed in float32."""
+
+
+def autocast(device: torch.device, cfg: TrainConfig) -> contextlib.AbstractContextManager[Any]:
+    """The training forward's precision context for ``device`` (see :attr:`TrainConfig.autocast`)."""
+    if cfg.autocast not in ("auto", "bf16", "off"):
+        raise ValueError(f"autocast must be auto, bf16 or off (got {cfg.autocast!r})")
+    if cfg.autocast == "bf16" or (cfg.autocast == "auto" and device.type == "cuda"):
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def _merge(sums: dict[str, float]) -> dict[str, float]:
@@ -135,10 +157,8 @@ def _microbatches(batch: list[Rollout], advantages: list[float], needs_all: bool
     rank, size = world()
     active = [i for i in range(len(batch)) if advantages[i] != 0.0 or needs_all]
     mine: list[int | None] = list(active[rank::size])
-    if pad and size > 1:
-        count = torch.tensor([len(mine)])
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        mine += [None] * (int(count) - len(mine))
+    if pad and size > 1:  # every rank holds the same list: rank 0's share is the largest
+        mine += [None] * (len(active[0::size]) - len(mine))
     return mine
 
 
@@ -154,10 +174,8 @@ def _packed_rows(
     active = [i for i in range(len(batch)) if advantages[i] != 0.0 or needs_all]
     rows = pack_sequences([len(batch[i].prompt_ids) + len(batch[i].completion_ids) for i in active], pack_tokens)
     mine: list[PackedRow | None] = list(rows[rank::size])
-    if pad and size > 1:
-        count = torch.tensor([len(mine)])
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        mine += [None] * (int(count) - len(mine))
+    if pad and size > 1:  # every rank packs the same rows: rank 0's share is the largest
+        mine += [None] * (len(rows[0::size]) - len(mine))
     return active, mine
 
 
@@ -174,75 +192,109 @@ def _packed_passes(
     sums: dict[str, float],
     total_loss: torch.Tensor,
 ) -> None:
-    """Forward and backward this rank's packed rows (``pack_tokens > 0``), accumulating into ``sums``
-    and ``total_loss``: per row, the loss of :func:`policy_loss` over the row's concatenated masked
-    tokens (per-sequence advantages, ``seq_index`` per sequence) plus each sequence's load-balance
-    term weighted as in the one-at-a-time path, so the sum over rows is the same loss."""
+    """Forward and backward this rank's packed rows (``pack_tokens > 0``), ``pack_rows`` rows per
+    forward, accumulating into ``sums`` and ``total_loss``: per forward, the loss of
+    :func:`policy_loss` over its sequences' concatenated masked tokens (per-sequence advantages,
+    ``seq_index`` per sequence) plus each sequence's load-balance term weighted as in the
+    one-at-a-time path, so the sum over forwards is the same loss."""
     device = model_device(model)
     active, work = _packed_rows(batch, advantages, needs_all, cfg.pack_tokens, pad=sharded)
     first: PackedRow | None = next((row for row in work if row is not None), None)
-    for n, packed in enumerate(work):
-        set_gradient_sync(model, n == len(work) - 1)
-        pad = packed is None
-        row = packed if packed is not None else first
-        if row is None:  # this rank has no row at all: pad with the batch's first rollout alone
-            row = PackedRow((0,), (len(batch[active[0]].prompt_ids) + len(batch[active[0]].completion_ids),))
-        members = [batch[active[j]] for j in row.members]
-        seqs = [r.prompt_ids + r.completion_ids for r in members]
-        prompt_lens = [len(r.prompt_ids) for r in members]
-        replay = [r.routed_experts for r in members] if cfg.replay else None
-        outs = forward_packed(model, seqs, prompt_lens, routed_experts=replay)
-        refs = None
-        if ref_model is not None and cfg.loss.kl_coef > 0:
-            with torch.no_grad():
-                refs = forward_packed(ref_model, seqs, prompt_lens)
-        logps, serveds, advs, index, ents, ref_parts = [], [], [], [], [], []
-        lb_terms: list[tuple[torch.Tensor, int]] = []
-        for k, (j, r, out) in enumerate(zip(row.members, members, outs, strict=True)):
-            mask = torch.tensor(r.mask, dtype=torch.bool, device=device)
-            logp = out.logprobs[mask]
-            served = (
-                torch.as_tensor(r.served_logprobs, device=device)[mask]
-                if r.served_logprobs is not None
-                else logp.detach()
+    if first is None:  # this rank has no row at all: pad with the batch's first rollout alone
+        first = PackedRow((0,), (len(batch[active[0]].prompt_ids) + len(batch[active[0]].completion_ids),))
+    per_forward = max(1, cfg.pack_rows)
+    chunks = [work[i : i + per_forward] for i in range(0, len(work), per_forward)]  # equal counts on every rank
+    for n, chunk in enumerate(chunks):
+        set_gradient_sync(model, n == len(chunks) - 1)
+        rows = [row if row is not None else first for row in chunk]
+        members = [[batch[active[j]] for j in row.members] for row in rows]
+        seqs = [[r.prompt_ids + r.completion_ids for r in ms] for ms in members]
+        prompt_lens = [[len(r.prompt_ids) for r in ms] for ms in members]
+        replay = [[r.routed_experts for r in ms] for ms in members] if cfg.replay else None
+        with autocast(device, cfg):
+            outs_rows = forward_packed_rows(model, seqs, prompt_lens, routed_experts=replay)
+            refs_rows = None
+            if ref_model is not None and cfg.loss.kl_coef > 0:
+                with torch.no_grad():
+                    refs_rows = forward_packed_rows(ref_model, seqs, prompt_lens)
+        real = [(packed, ms, outs) for packed, ms, outs in zip(chunk, members, outs_rows, strict=True) if packed]
+        refs_real = [refs_rows[b] for b, packed in enumerate(chunk) if packed] if refs_rows is not None else []
+        if real:
+            loss = _rows_loss(
+                [j for packed, _, _ in real for j in packed.members],
+                [r for _, ms, _ in real for r in ms],
+                [o for _, _, outs in real for o in outs],
+                [o for refs in refs_real for o in refs] if refs_rows is not None else None,
+                advantages,
+                active,
+                cfg,
+                normalizer,
+                top_k,
+                device,
+                sums,
             )
-            served = torch.where(torch.isnan(served), logp.detach().to(served.dtype), served)
-            logps.append(logp)
-            serveds.append(served)
-            advs.append(torch.full_like(logp, advantages[active[j]]))
-            index.append(torch.full((logp.shape[0],), k, dtype=torch.int64, device=device))
-            ents.append(out.entropy[mask])
-            if refs is not None:
-                ref_parts.append(refs[k].logprobs[mask])
-            if cfg.loss.load_balance_coef > 0:
-                lb_terms.append((load_balancing_loss(out.router_logits, top_k), logp.shape[0]))
-        logp_all = torch.cat(logps)
-        served_all = torch.cat(serveds)
-        inputs = LossInputs(
-            logprobs=logp_all,
-            served_logprobs=served_all,
-            advantages=torch.cat(advs),
-            seq_index=torch.cat(index),
-            normalizer=normalizer,
-            ref_logprobs=torch.cat(ref_parts) if refs is not None else None,
-            entropy=torch.cat(ents),
-        )
-        result = policy_loss(inputs, cfg.loss)
-        loss = result.loss
-        for lb, count in lb_terms:
-            loss = loss + cfg.loss.load_balance_coef * lb * (count / normalizer)
-        if pad:
-            (loss * 0.0).backward()  # keeps FSDP's collectives in step; contributes nothing
-            continue
+            total_loss += float(loss.detach())
+        else:
+            loss = torch.zeros((), device=device)
+        for packed, outs in zip(chunk, outs_rows, strict=True):
+            if packed is None:  # a pad row: keeps FSDP's collectives in step, contributes nothing
+                loss = loss + 0.0 * sum(o.logprobs.sum() for o in outs)
         loss.backward()
-        total_loss += float(loss.detach())
-        for lb, count in lb_terms:
-            sums["moe/load_balance_sum"] = sums.get("moe/load_balance_sum", 0.0) + float(lb.detach()) * count
-        if logp_all.numel():
-            gap = float((logp_all.detach() - served_all).abs().max())
-            sums["gap/max_abs"] = max(sums.get("gap/max_abs", 0.0), gap)
-        for key, v in result.metrics.items():
-            sums[key] = sums.get(key, 0.0) + v
+
+
+def _rows_loss(
+    indices: list[int],
+    members: list[Rollout],
+    outs: list[ForwardOutput],
+    refs: list[ForwardOutput] | None,
+    advantages: list[float],
+    active: list[int],
+    cfg: TrainConfig,
+    normalizer: float,
+    top_k: int,
+    device: torch.device,
+    sums: dict[str, float],
+) -> torch.Tensor:
+    """The loss of the sequences of some packed rows (their masked tokens in one :func:`policy_loss`,
+    each its own ``seq_index``, plus each sequence's load-balance term), diagnostics added to ``sums``."""
+    # the sequences' tensors are laid end to end and masked once (not one small op per sequence)
+    mask = torch.tensor([m for r in members for m in r.mask], dtype=torch.bool, device=device)
+    counts = torch.tensor([sum(r.mask) for r in members], dtype=torch.int64, device=device)
+    logp_all = torch.cat([o.logprobs for o in outs])[mask].float()
+    served_np = [
+        np.asarray(r.served_logprobs, dtype=np.float64)
+        if r.served_logprobs is not None
+        else np.full(len(r.mask), np.nan)  # no served logprobs: the trainer's own (ratio 1)
+        for r in members
+    ]
+    served_all = torch.as_tensor(np.concatenate(served_np), device=device)[mask]
+    served_all = torch.where(torch.isnan(served_all), logp_all.detach().to(served_all.dtype), served_all)
+    per_seq = torch.tensor([advantages[active[j]] for j in indices], dtype=logp_all.dtype, device=device)
+    lb_terms: list[tuple[torch.Tensor, int]] = []
+    if cfg.loss.load_balance_coef > 0:
+        lb_terms = [
+            (load_balancing_loss(o.router_logits, top_k), sum(r.mask)) for r, o in zip(members, outs, strict=True)
+        ]
+    inputs = LossInputs(
+        logprobs=logp_all,
+        served_logprobs=served_all,
+        advantages=torch.repeat_interleave(per_seq, counts),
+        seq_index=torch.repeat_interleave(torch.arange(len(members), device=device), counts),
+        normalizer=normalizer,
+        ref_logprobs=torch.cat([o.logprobs for o in refs])[mask].float() if refs is not None else None,
+        entropy=torch.cat([o.entropy for o in outs])[mask].float(),
+    )
+    result = policy_loss(inputs, cfg.loss)
+    loss = result.loss
+    for lb, count in lb_terms:
+        loss = loss + cfg.loss.load_balance_coef * lb * (count / normalizer)
+        sums["moe/load_balance_sum"] = sums.get("moe/load_balance_sum", 0.0) + float(lb.detach()) * count
+    if logp_all.numel():
+        gap = float((logp_all.detach() - served_all).abs().max())
+        sums["gap/max_abs"] = max(sums.get("gap/max_abs", 0.0), gap)
+    for key, v in result.metrics.items():
+        sums[key] = sums.get(key, 0.0) + v
+    return loss
 
 
 def session_advantages(batch: list[Rollout], method: str, baseline: RunningBaseline | None) -> list[float]:
@@ -284,12 +336,12 @@ def update_step(
     top_k = int(routers(model)[0].top_k)
     sums: dict[str, float] = {}
     optimizer.zero_grad(set_to_none=True)
-    total_loss = torch.zeros((), dtype=torch.float64)
+    device = model_device(model)
+    total_loss = torch.zeros((), dtype=torch.float64, device=device)
     if cfg.pack_tokens < 0:
         raise ValueError(f"pack_tokens must be >= 0 (got {cfg.pack_tokens})")
     work: list[int | None] = []
     if cfg.pack_tokens > 0:
-        total_loss = total_loss.to(model_device(model))
         _packed_passes(
             model, batch, advantages, cfg, normalizer, needs_all, top_k, sharded, ref_model, sums, total_loss
         )
@@ -300,30 +352,31 @@ def update_step(
         pad = index is None
         i = 0 if index is None else index
         r, adv = batch[i], advantages[i]
-        mask = torch.tensor(r.mask, dtype=torch.bool)
-        out = forward_tokens(
-            model,
-            r.prompt_ids + r.completion_ids,
-            prompt_len=len(r.prompt_ids),
-            routed_experts=r.routed_experts if cfg.replay else None,
-        )
-        logp = out.logprobs[mask]
-        served = torch.as_tensor(r.served_logprobs) if r.served_logprobs is not None else None
+        mask = torch.tensor(r.mask, dtype=torch.bool, device=device)
+        with autocast(device, cfg):
+            out = forward_tokens(
+                model,
+                r.prompt_ids + r.completion_ids,
+                prompt_len=len(r.prompt_ids),
+                routed_experts=r.routed_experts if cfg.replay else None,
+            )
+            ref = None
+            if ref_model is not None and cfg.loss.kl_coef > 0:
+                with torch.no_grad():
+                    seq = r.prompt_ids + r.completion_ids
+                    ref = forward_tokens(ref_model, seq, prompt_len=len(r.prompt_ids)).logprobs[mask].float()
+        logp = out.logprobs[mask].float()
+        served = torch.as_tensor(r.served_logprobs, device=device) if r.served_logprobs is not None else None
         served_t = served[mask] if served is not None else logp.detach()
         served_t = torch.where(torch.isnan(served_t), logp.detach().to(served_t.dtype), served_t)
-        ref = None
-        if ref_model is not None and cfg.loss.kl_coef > 0:
-            with torch.no_grad():
-                ref = forward_tokens(ref_model, r.prompt_ids + r.completion_ids, prompt_len=len(r.prompt_ids)).logprobs
-            ref = ref[mask]
         inputs = LossInputs(
             logprobs=logp,
             served_logprobs=served_t,
             advantages=torch.full_like(logp, adv),
-            seq_index=torch.zeros(logp.shape[0], dtype=torch.int64),
+            seq_index=torch.zeros(logp.shape[0], dtype=torch.int64, device=device),
             normalizer=normalizer,
             ref_logprobs=ref,
-            entropy=out.entropy[mask],
+            entropy=out.entropy[mask].float(),
         )
         result = policy_loss(inputs, cfg.loss)
         loss = result.loss

@@ -14,7 +14,8 @@ The steps, in order (the dry run does every one, with the CPU engine where vLLM 
    events are kept.
 4. **train**: the events are written to a SQLite database (the ingest writer), joined into
    trajectories (:mod:`policy.trajectories`) and used for one REINFORCE step from v0 (the
-   harness's rewards against a baseline of 0.5): v1, a delta in the store.
+   harness's rewards against a baseline of 0.5), packed, on the GPU with bf16 autocast when there
+   is one (the trainer's CUDA path; the CPU in the dry run): v1, a delta in the store.
 5. **delta**: v1 is prefetched and applied on the server over ``collective_rpc`` (the engine
    contract's weight RPCs), and the hash the server reports is compared with the store's.
 6. **gap**: the trainer's logprobs of every served token (CPU, float32, the trainer's forward
@@ -364,6 +365,7 @@ def _train_v1(v0: Path, events: list[dict[str, Any]], rewards: dict[str, float],
     from ingest.tables import SessionRow
     from ingest.writer import write_events
     from policy.advantages import RunningBaseline
+    from policy.distributed import on_cpu, place, train_device
     from policy.model import load_checkpoint, save_checkpoint
     from policy.trainer import TrainConfig, make_optimizer, update_step
     from policy.trajectories import session_trajectories, turn_of
@@ -380,10 +382,18 @@ def _train_v1(v0: Path, events: list[dict[str, Any]], rewards: dict[str, float],
         )
     engine.dispose()
     model, tokenizer = load_checkpoint(v0)
-    cfg = TrainConfig(lr=1e-3, steps=1, advantage="reinforce")
+    device = train_device("auto")  # the GPU when there is one (bf16 autocast, packed rows), else the CPU
+    place(model, device)
+    cfg = TrainConfig(lr=1e-3, steps=1, advantage="reinforce", pack_tokens=4096, pack_rows=8)
     metrics = update_step(model, make_optimizer(model, cfg), rollouts, cfg, baseline=RunningBaseline(default=0.5))
-    path = save_checkpoint(model, tokenizer, workdir / "v1")
-    return path, {"trajectories": asdict(stats), "trained_tokens": metrics["batch/trained_tokens"]}
+    path = save_checkpoint(on_cpu(model), tokenizer, workdir / "v1")
+    return path, {
+        "trajectories": asdict(stats),
+        "trained_tokens": metrics["batch/trained_tokens"],
+        "device": str(device),
+        "bf16_autocast": device.type == "cuda",
+        "step_gap_max_abs_logprob": metrics["gap/max_abs_logprob"],
+    }
 
 
 def _apply_delta(url: str, expected_hash: str) -> dict[str, Any]:

@@ -113,6 +113,10 @@ class DeployConfig(BaseModel):
     """Largest allowed ratio of the new version's p50 latency to the current one's."""
     gate_max_acceptance_drop: float = Field(default=0.05, ge=0)
     """Largest allowed drop of the acceptance proxy (accepts over accepts plus rejects)."""
+    gate_acceptance_z: float = Field(default=1.645, ge=0)
+    """A drop fails the gate only when it is also this many standard errors large (the two versions'
+    judged signals as independent proportions; 1.645: one-sided 95%), so a canary judged on a
+    handful of sessions is not rolled back on noise; 0: the drop alone decides."""
     pause_timeout_s: float = Field(default=60.0, gt=0)
     """Longest a replica may take to drain in-flight requests when paused."""
     prefetch_ahead: bool = True

@@ -88,7 +88,8 @@ def gate(new: dict[str, Any] | None, old: dict[str, Any] | None, config: DeployC
     Fails when the new version served fewer than ``gate_min_requests``, or its error rate rose by
     more than ``gate_max_error_rate_delta``, or its p50 latency exceeds ``gate_max_latency_ratio``
     times the old one, or its acceptance proxy dropped by more than ``gate_max_acceptance_drop``
-    (compared only when both versions have judged sessions).
+    and by at least ``gate_acceptance_z`` standard errors of the difference (compared only when both
+    versions have judged sessions; without their counts, ``judged``, the drop alone decides).
     """
     if not new or new.get("requests", 0) < config.gate_min_requests:
         served = 0 if not new else new.get("requests", 0)
@@ -106,9 +107,20 @@ def gate(new: dict[str, Any] | None, old: dict[str, Any] | None, config: DeployC
             return False, f"p50 latency is {ratio:.2f}x the current version's (limit {config.gate_max_latency_ratio}x)"
     if new.get("acceptance") is not None and old.get("acceptance") is not None:
         drop = old["acceptance"] - new["acceptance"]
-        if drop > config.gate_max_acceptance_drop:
-            return False, f"acceptance dropped by {drop:.3f} (limit {config.gate_max_acceptance_drop})"
+        se = _drop_se(new, old)
+        if drop > config.gate_max_acceptance_drop and drop >= config.gate_acceptance_z * se:
+            shown = f", {drop / se:.1f} standard errors" if se > 0 else ""
+            return False, f"acceptance dropped by {drop:.3f}{shown} (limit {config.gate_max_acceptance_drop})"
     return True, "passed"
+
+
+def _drop_se(new: dict[str, Any], old: dict[str, Any]) -> float:
+    """Standard error of ``old - new`` acceptance from the judged counts (0 when a count is missing)."""
+    n_new, n_old = int(new.get("judged") or 0), int(old.get("judged") or 0)
+    if n_new <= 0 or n_old <= 0:
+        return 0.0
+    p_new, p_old = float(new["acceptance"]), float(old["acceptance"])
+    return math.sqrt(p_new * (1 - p_new) / n_new + p_old * (1 - p_old) / n_old)
 
 
 def stage_sizes(n: int, config: DeployConfig) -> list[int]:

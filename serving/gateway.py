@@ -3,7 +3,10 @@ replicas, whole or streamed.
 
 - Balances over the replicas in rotation (least requests in flight); a replica that fails
   to answer (unreachable, 5xx) is retried on another one, so a replica dying or pausing for an
-  update does not fail the user's request.
+  update does not fail the user's request. The turns of one agent session stay on the replica
+  that served the session last while it is in rotation (session affinity): one policy version
+  for the whole session (a canary is judged on sessions it served from start to end) and the
+  engine's prefix cache holds the conversation so far.
 - ``candidates: K`` (or ``n: K``) asks for a candidate group: K samples from one replica, one
   policy version, each choice with its own ``session_id`` and ``candidate_index``, and a
   ``group_id`` on the response.
@@ -37,7 +40,7 @@ import itertools
 import math
 import time
 import uuid
-from collections import Counter, defaultdict, deque
+from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -71,6 +74,8 @@ ReplicaSource = Callable[[], Awaitable[list[Replica]]]
 """Returns the replicas in rotation (static list, or the registry)."""
 
 ACCEPT_TYPES = {"edit.accepted": 1.0, "edit.rejected": 0.0}
+AFFINITY_SESSIONS = 65536
+"""Agent sessions whose replica the gateway remembers (the least recent are forgotten first)."""
 OPEN = ClientKey("anonymous", ("serve", "metrics"))
 """Who calls a gateway built without a key ring (tests, a development stack)."""
 STREAM_BROKEN = (
@@ -198,6 +203,8 @@ class Gateway:
         self.user_rate = Buckets(config.user_rate_per_s, config.user_burst)
         self.signal_rate = Buckets(config.user_signal_rate_per_s, config.user_signal_burst)
         self._rr = itertools.count()
+        self.affinity: OrderedDict[str, str] = OrderedDict()
+        """Agent session -> the replica that served its last turn (most recent last, bounded)."""
 
     async def authorize(self, authorization: str | None, scope: str) -> ClientKey | JSONResponse:
         """The client behind a request's ``Authorization`` header, or the refusal to send (401, 403, 429)."""
@@ -250,19 +257,34 @@ class Gateway:
                 return self.limited(wait, f"user {user} is over their request rate")
         return user
 
-    async def pick(self, exclude: set[str]) -> Replica | None:
+    async def pick(self, exclude: set[str], session: str | None = None) -> Replica | None:
+        """The replica for the next try: the session's own while it is in rotation, else the one with
+        the fewest requests in flight (ties in rotation)."""
         reps = [r for r in await self.source() if r.id not in exclude]
         if not reps:
             return None
+        held = self.affinity.get(session) if session is not None else None
+        own = next((r for r in reps if r.id == held), None)
+        if own is not None:
+            return own
         offset = next(self._rr)
         order = sorted(range(len(reps)), key=lambda i: (self.inflight[reps[i].id], (i + offset) % len(reps)))
         return reps[order[0]]
 
-    async def _replicas(self) -> AsyncIterator[Replica]:
+    def _stick(self, session: str | None, rep: Replica) -> None:
+        """Remember that ``rep`` served ``session`` (its next turn goes there while it is in rotation)."""
+        if session is None:
+            return
+        self.affinity[session] = rep.id
+        self.affinity.move_to_end(session)
+        while len(self.affinity) > AFFINITY_SESSIONS:
+            self.affinity.popitem(last=False)
+
+    async def _replicas(self, session: str | None = None) -> AsyncIterator[Replica]:
         """Replicas to try for one request, each at most once: the first, then one per retry."""
         tried: set[str] = set()
         for _ in range(self.config.retries + 1):
-            rep = await self.pick(tried)
+            rep = await self.pick(tried, session)
             if rep is None:
                 return
             tried.add(rep.id)
@@ -373,7 +395,7 @@ class Gateway:
         self, path: str, body: dict[str, Any], req: turns.Request, k: int, *, chat: bool, wants: relay.Wants
     ) -> Response:
         last: EngineError | None = None
-        async for rep in self._replicas():
+        async for rep in self._replicas(req.session):
             start = time.perf_counter()
             self.inflight[rep.id] += 1
             try:
@@ -387,6 +409,7 @@ class Gateway:
             finally:
                 self.inflight[rep.id] -= 1
             req.latency_ms = (time.perf_counter() - start) * 1000
+            self._stick(req.session, rep)
             req.version = data.get("system_fingerprint") or rep.version or "unknown"
             self._count(req.version, req.latency_ms)
             self._shape(req, data, k, chat=chat, wants=wants)
@@ -448,7 +471,7 @@ class Gateway:
     ) -> Response:
         body = {**body, "stream": True}
         last: EngineError | None = None
-        async for rep in self._replicas():
+        async for rep in self._replicas(req.session):
             start = time.perf_counter()
             try:
                 response = await self.http.send(
@@ -482,6 +505,7 @@ class Gateway:
                 self.stats[rep.version or "unknown"].errors += 1
                 continue
             req.version = stream.version or rep.version or "unknown"
+            self._stick(req.session, rep)
             self.inflight[rep.id] += 1
             return StreamingResponse(
                 self._relay(stream, first, req, k, rep, start),

@@ -94,13 +94,13 @@ def train_cmd(
             raise typer.Exit(code)
         return
 
-    from policy.distributed import barrier, init_from_env, shutdown
+    from policy.distributed import barrier, init_from_env, shutdown, train_device
     from policy.pipeline import run_rl_versions
     from scheduler.cli.common import print_json, setup
     from scheduler.runtime import open_database
 
-    rank, _ = init_from_env()
     settings = setup()
+    rank, _ = init_from_env(train_device(settings.policy.device))
     if rank == 0:  # rank 0 brings the schema up to date before the others open the database
         engine = open_database(settings)
     barrier()

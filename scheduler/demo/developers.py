@@ -15,6 +15,14 @@ gateway's ``POST /v1/signals`` (so through Kafka into the database):
 - ``code.retained`` at three horizons (time-compressed): kept code stays, passing but verbose code
   is rewritten down to its concise size, failing code is deleted;
 - ``model.switched`` now and then when nothing they were shown even passes.
+
+A share of the arrivals (``agent_share``) hands the task to the **agent** instead
+(:class:`policy.agent.AgentSession`, the harness's protocol: ``run_tests``/``submit`` tools, the
+context budget and self-summaries, a turn limit), ``agent_group`` sessions in parallel on the task
+(one ``x-session-group``, compared by GRPO), every turn a ``POST /v1/chat/completions`` with the
+session id and turn index. What was submitted is judged like a completion and signalled on the
+agent session as a whole (``edit.accepted``/``edit.rejected`` and ``code.retained``; a session that
+never submitted is rejected and nothing of it retained).
 """
 
 from __future__ import annotations
@@ -59,6 +67,13 @@ class DeveloperConfig:
     """Requests in flight at once; arrivals beyond wait (a developer waits for the answer)."""
     users: int = 24
     """Distinct developers."""
+    agent_share: float = 0.0
+    """Share of arrivals given to the agent (multi-turn sessions with tools) instead of a completion."""
+    agent_group: int = 2
+    """Agent sessions run in parallel on one task (a GRPO group)."""
+    agent: dict[str, Any] = field(default_factory=dict)
+    """:class:`policy.agent.AgentSession` settings (``max_turns``, ``context_budget_chars``, ...; the
+    defaults are :class:`policy.agent_eval.AgentEvalConfig`'s)."""
 
 
 @dataclass
@@ -75,6 +90,14 @@ class DeveloperStats:
     by_version: Counter[str] = field(default_factory=Counter)
     kept_by_version: Counter[str] = field(default_factory=Counter)
     latencies: list[float] = field(default_factory=list)
+    agent_sessions: int = 0
+    agent_submitted: int = 0
+    agent_kept: int = 0
+    agent_turns: int = 0
+    """Chat requests of the finished agent sessions (policy turns and summary turns)."""
+    agent_summaries: int = 0
+    """Agent sessions with at least one self-summary."""
+    agent_errors: int = 0
 
 
 def arrival_schedule(
@@ -149,8 +172,12 @@ class Developers:
                 await sem.acquire()
                 task = self.rng.choice(self.tasks)
                 user = f"dev-{self.rng.randrange(self.config.users):03d}"
-                k = self.config.candidates if self.rng.random() < self.config.group_share else 1
-                job = asyncio.ensure_future(self._request(http, task, prompt_ids(self.tokenizer, task), user, k, sem))
+                if self.rng.random() < self.config.agent_share:
+                    job = asyncio.ensure_future(self._agent(http, task, user, sem))
+                else:
+                    k = self.config.candidates if self.rng.random() < self.config.group_share else 1
+                    prompt = prompt_ids(self.tokenizer, task)
+                    job = asyncio.ensure_future(self._request(http, task, prompt, user, k, sem))
                 self._pending.add(job)
                 job.add_done_callback(self._pending.discard)
             if self._pending:
@@ -228,15 +255,89 @@ class Developers:
         await self._signal(http, "edit.accepted" if res.passed else "edit.rejected", chosen, user, {})
         if not any(r.passed for r in results) and self.rng.random() < cfg.switch_prob:
             await self._signal(http, "model.switched", chosen, user, {"from_model": "undertow", "to_model": "other"})
-        longest = max(cfg.horizons_s)
+        await self._retention(http, task, user, [(chosen, bodies[best], res.kept, res.passed, res.size)])
+
+    async def _retention(
+        self, http: httpx.AsyncClient, task: Any, user: str, judged: list[tuple[str, str | None, bool, bool, int]]
+    ) -> None:
+        """``code.retained`` at each horizon (time-compressed) for each ``(session, body, kept, passed,
+        size)``; a body of None (nothing was submitted) has nothing retained."""
+        longest = max(self.config.horizons_s)
         waited = 0.0
-        for horizon in cfg.horizons_s:
+        for horizon in self.config.horizons_s:
             wait = horizon / self.speedup - waited
             if wait > 0:
                 await asyncio.sleep(wait)
                 waited += wait
-            written, kept = retained_lines(
-                bodies[best], res.kept, res.passed, task.size_limit, res.size, horizon / longest
-            )
-            payload = {"horizon_s": horizon, "lines_written": written, "lines_retained": kept}
-            await self._signal(http, "code.retained", chosen, user, payload)
+            for session_id, body, kept, passed, size in judged:
+                written, retained = retained_lines(body or "", kept, passed, task.size_limit, size, horizon / longest)
+                payload = {
+                    "horizon_s": horizon,
+                    "lines_written": written,
+                    "lines_retained": retained if body is not None else 0,
+                }
+                await self._signal(http, "code.retained", session_id, user, payload)
+
+    async def _agent_session(self, http: httpx.AsyncClient, session: Any, user: str) -> None:
+        from policy.agent import GROUP_HEADER, SESSION_HEADER, TURN_HEADER
+        from policy.agent_eval import AGENT_TOOLS
+
+        body: dict[str, Any] = {"model": "undertow", "tools": AGENT_TOOLS, "user": user}
+        body["temperature"] = self.config.temperature
+        while (ask := session.request()) is not None:
+            headers = {SESSION_HEADER: session.result.session_id, TURN_HEADER: str(session.turn_index)}
+            if session.result.group:
+                headers[GROUP_HEADER] = session.result.group
+            try:
+                resp = await http.post(self.url + "/v1/chat/completions", json={**body, **ask}, headers=headers)
+            except httpx.HTTPError as exc:
+                session.fail(str(exc))
+                return
+            if resp.status_code != 200:
+                session.fail(f"{resp.status_code}: {resp.text[:200]}")
+                return
+            data = resp.json()
+            self.stats.by_version[str(data.get("policy_version", "?"))] += 1
+            await asyncio.to_thread(session.observe, data["choices"][0]["message"])
+
+    async def _agent(self, http: httpx.AsyncClient, task: Any, user: str, sem: asyncio.Semaphore) -> None:
+        """``agent_group`` agent sessions on ``task``, then the developer's signals on each."""
+        import uuid
+
+        from policy.agent import AgentSession
+        from policy.agent_eval import AGENT_SYSTEM_PROMPT, AgentEvalConfig
+
+        cfg = self.config
+        defaults = AgentEvalConfig()
+        settings = {
+            "max_turns": defaults.max_turns,
+            "context_budget_chars": defaults.context_budget_chars,
+            "max_tokens": defaults.max_tokens,
+            "summary_max_tokens": defaults.summary_max_tokens,
+            **cfg.agent,
+        }
+        group = f"grp-{uuid.uuid4().hex[:12]}" if cfg.agent_group > 1 else None
+        sessions = [
+            AgentSession(task, system_prompt=AGENT_SYSTEM_PROMPT, group=group, **settings)
+            for _ in range(cfg.agent_group)
+        ]
+        try:
+            await asyncio.gather(*(self._agent_session(http, s, user) for s in sessions))
+        finally:
+            sem.release()
+        judged: list[tuple[str, str | None, bool, bool, int]] = []
+        for session in sessions:
+            result = session.result
+            if result.ended == "error":
+                self.stats.agent_errors += 1
+                continue
+            verdict = result.verdict
+            kept, passed = bool(verdict and verdict.kept), bool(verdict and verdict.passed)
+            self.stats.agent_sessions += 1
+            self.stats.agent_submitted += result.ended == "submitted"
+            self.stats.agent_kept += kept
+            self.stats.agent_turns += result.requests
+            self.stats.agent_summaries += result.summaries > 0
+            await self._signal(http, "edit.accepted" if passed else "edit.rejected", result.session_id, user, {})
+            judged.append((result.session_id, result.submitted_code, kept, passed, verdict.size if verdict else 0))
+        await self._retention(http, task, user, judged)

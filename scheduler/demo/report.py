@@ -4,8 +4,13 @@ Per version: held-out retention (pass-and-keep rate on the fixed held-out task s
 update trains on), held-out acceptance (pass rate there: developers accept code that passes),
 online requests and acceptance proxy as the gateway measured them, the reward model promoted when
 the version was trained and its primary metric, and the rollout outcome (succeeded, rolled back
-with the gate's reason, or not deployed). ``final_heldout_retention`` is the version the fleet
-serves at the end; ``gain_points`` its held-out retention minus v0's, in percentage points.
+with the gate's reason, or not deployed), and the agent's held-out task success
+(``heldout_task_success``: multi-turn sessions with tools on held-out tasks, submitted code kept;
+:mod:`policy.agent_eval`). The final version is the one the fleet serves at the end;
+``gain_points`` is its held-out task success minus v0's, in percentage points (its held-out
+retention when the agent was not evaluated), ``retention_gain_points`` the same on single
+completions. ``mean_turns`` and ``sessions_with_summary`` describe the agent sessions the
+developers ran through the gateway (turns as telemetry stores them: policy turns and summaries).
 """
 
 from __future__ import annotations
@@ -71,6 +76,9 @@ def build_report(
                 "label": m.get("label") or ("warm-up" if row.parent_id is None else "update"),
                 "heldout_retention": m.get("eval/keep_rate"),
                 "heldout_acceptance": m.get("eval/pass_rate"),
+                "heldout_task_success": m.get("eval/agent/success"),
+                "heldout_agent_submitted": m.get("eval/agent/submitted"),
+                "heldout_agent_turns": m.get("eval/agent/mean_requests"),
                 "online_requests": live.get("requests", 0),
                 "online_acceptance": live.get("acceptance"),
                 "train_reward_mean": m.get("reward/mean"),
@@ -87,12 +95,22 @@ def build_report(
     final = next((v for v in versions if target and v["version"] == target.version), versions[0] if versions else {})
     v0 = float(v0_metrics.get("eval/keep_rate", 0.0))
     final_rate = float(final.get("heldout_retention") or 0.0)
+    v0_task = v0_metrics.get("eval/agent/success")
+    final_task = final.get("heldout_task_success")
+    retention_gain = round(100.0 * (final_rate - v0), 2)
+    agent_sessions = dev_stats.agent_sessions
     return {
         "versions": versions,
         "v0_heldout_retention": v0,
         "final_version": final.get("version"),
         "final_heldout_retention": final_rate,
-        "gain_points": round(100.0 * (final_rate - v0), 2),
+        "v0_heldout_task_success": v0_task,
+        "final_heldout_task_success": final_task,
+        "gain_points": retention_gain if v0_task is None else round(100.0 * (float(final_task or 0.0) - v0_task), 2),
+        "gain_measured_on": "retention" if v0_task is None else "heldout_task_success",
+        "retention_gain_points": retention_gain,
+        "mean_turns": round(dev_stats.agent_turns / agent_sessions, 2) if agent_sessions else None,
+        "sessions_with_summary": dev_stats.agent_summaries,
         "rollbacks": sum(1 for d in deployments.values() if d["status"] == "rolled_back"),
         "deployments": deployments,
         "reward_models": [
@@ -109,6 +127,10 @@ def build_report(
             "kept": dev_stats.kept,
             "passed": dev_stats.passed,
             "by_version": dict(dev_stats.by_version),
+            "agent_sessions": agent_sessions,
+            "agent_errors": dev_stats.agent_errors,
+            "agent_submitted": dev_stats.agent_submitted,
+            "agent_kept": dev_stats.agent_kept,
         },
     }
 
@@ -121,7 +143,8 @@ def print_report(report: dict[str, Any], console: Console | None = None) -> None
     """The per-version table and the headline, on the terminal."""
     console = console or Console()
     table = Table(title=f"Undertow demo: policy versions ({report['minutes']:.1f} min)")
-    for col in ("version", "what", "held-out retention", "held-out acceptance", "online req", "online accept"):
+    cols = ("version", "what", "held-out task success", "held-out retention", "held-out acceptance")
+    for col in (*cols, "online req", "online accept"):
         table.add_column(col, justify="right" if "held" in col or "online" in col else "left")
     table.add_column("reward model")
     table.add_column("rollout")
@@ -131,6 +154,7 @@ def print_report(report: dict[str, Any], console: Console | None = None) -> None
         table.add_row(
             v["version"],
             str(v["label"]),
+            _pct(v["heldout_task_success"]),
             _pct(v["heldout_retention"]),
             _pct(v["heldout_acceptance"]),
             str(v["online_requests"]),
@@ -139,10 +163,17 @@ def print_report(report: dict[str, Any], console: Console | None = None) -> None
             outcome,
         )
     console.print(table)
+    if report["v0_heldout_task_success"] is not None:
+        console.print(
+            f"agent held-out task success: v0 {_pct(report['v0_heldout_task_success'])} -> serving "
+            f"{report['final_version']} {_pct(report['final_heldout_task_success'])} ({report['gain_points']:+.1f} "
+            f"points; target +10, printed, not asserted); agent sessions served: mean turns {report['mean_turns']}, "
+            f"{report['sessions_with_summary']} with a self-summary"
+        )
     console.print(
         f"held-out retention: v0 {_pct(report['v0_heldout_retention'])} -> serving {report['final_version']} "
-        f"{_pct(report['final_heldout_retention'])} ({report['gain_points']:+.1f} points; target +10, printed, "
-        f"not asserted); rollbacks: {report['rollbacks']}"
+        f"{_pct(report['final_heldout_retention'])} ({report['retention_gain_points']:+.1f} points); "
+        f"rollbacks: {report['rollbacks']}"
     )
     if report["failed_updates"]:
         console.print(f"updates that failed: {report['failed_updates']}")

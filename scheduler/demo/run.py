@@ -50,23 +50,35 @@ class DemoOptions:
     """CPU engine replicas."""
     mean_rps: float = 0.6
     """Mean wall-clock request rate of the developers (the trace's daily shape around it)."""
-    sft_steps: int = 400
+    sft_steps: int = 1200
     """Warm-up steps of v0 (only when no cached v0 exists)."""
+    sft_agent_every: int = 2
+    """Every this many warm-up steps, one trains on scripted agent transcripts (0: completions only)."""
     eval_per_tier: int = 16
     """Held-out tasks per tier in the evaluation (3 tiers)."""
     eval_samples: int = 4
     """Samples per held-out task."""
+    agent_eval_per_tier: int = 16
+    """Held-out tasks per tier given agent sessions in the evaluation (0: no agent evaluation)."""
+    agent_eval_samples: int = 4
+    """Agent sessions per held-out task."""
+    agent_share: float = 0.6
+    """Share of the developers' arrivals handed to the agent (multi-turn sessions with tools)."""
+    agent_group: int = 2
+    """Agent sessions run in parallel on one task (a GRPO group)."""
     steps_per_version: int = 8
     """GRPO steps of one update."""
+    rl_lr: float = 3e-4
+    """Learning rate of the updates (AdamW)."""
     groups_per_step: int = 8
     """Candidate groups per GRPO step."""
-    min_new_groups: int = 24
+    min_new_groups: int = 12
     """New candidate groups stored before the next update is submitted."""
     drill: bool = True
     """Run the gate drill (a deliberately destructive update) once a version was promoted."""
     drill_lr: float = 0.05
     """Learning rate of the gate drill's update (destructive on purpose)."""
-    gate_min_requests: int = 8
+    gate_min_requests: int = 16
     """Requests a new version must serve before its stage is judged."""
     expected_update_s: float = 90.0
     """Expected duration of one update (train, store, canary, gate) before one was measured: no update
@@ -75,6 +87,16 @@ class DemoOptions:
     """Longest wait past the traffic phase for the update in flight to finish."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra ``UNDERTOW_*`` settings for this run."""
+
+
+def eval_fields(opts: DemoOptions) -> dict[str, int]:
+    """The held-out evaluation of every version (``policy.evaluate.EvalConfig`` fields)."""
+    return {
+        "per_tier": opts.eval_per_tier,
+        "samples_per_task": opts.eval_samples,
+        "agent_per_tier": opts.agent_eval_per_tier,
+        "agent_samples": opts.agent_eval_samples,
+    }
 
 
 def _env(home: Path, opts: DemoOptions, speedup: float) -> dict[str, str]:
@@ -112,6 +134,7 @@ def _env(home: Path, opts: DemoOptions, speedup: float) -> dict[str, str]:
         "UNDERTOW_REWARDS__RETRAIN_MIN_NEW_LABELS": "60",
         "UNDERTOW_REWARDS__MIN_TRAIN_ROWS": "20",
         "UNDERTOW_POLICY__RL_STEPS_PER_VERSION": str(opts.steps_per_version),
+        "UNDERTOW_POLICY__RL_LR": str(opts.rl_lr),
         "UNDERTOW_POLICY__THREADS": "1",
         "UNDERTOW_POLICY__SEED": str(opts.seed),
     }
@@ -153,10 +176,7 @@ class Orchestrator:
         from scheduler.loop.state import LoopState, RLInputs
         from scheduler.loop.submit import submit
 
-        rl = RLInputs(
-            groups_per_step=self.opts.groups_per_step,
-            eval={"per_tier": self.opts.eval_per_tier, "samples_per_task": self.opts.eval_samples},
-        )
+        rl = RLInputs(groups_per_step=self.opts.groups_per_step, eval=eval_fields(self.opts))
         if kind == "drill":
             rl = rl.model_copy(update={"lr": self.opts.drill_lr, "label": "gate drill"})
         run_id = f"{kind}-{uuid.uuid4().hex[:6]}"
@@ -239,12 +259,18 @@ def run_demo(base: Settings, opts: DemoOptions) -> dict[str, Any]:
     settings = load_settings()
     configure_logging(settings.log_level, settings.log_json)  # the demo's own level (progress shows the rest)
     logging.getLogger("kafka").setLevel(logging.ERROR)  # the client's event-loop timing warnings
-    eval_cfg = EvalConfig(per_tier=opts.eval_per_tier, samples_per_task=opts.eval_samples)
+    eval_cfg = EvalConfig(**eval_fields(opts))
     with console.status("policy v0: loading the cached warm-up (training it on the first run)"):
         v0_path, v0_metrics = v0_cache(
-            settings, (base.home / "demo-cache").resolve(), sft_steps=opts.sft_steps, eval_cfg=eval_cfg
+            settings,
+            (base.home / "demo-cache").resolve(),
+            sft_steps=opts.sft_steps,
+            eval_cfg=eval_cfg,
+            agent_every=opts.sft_agent_every,
         )
-    console.print(f"v0 held-out keep rate {v0_metrics['eval/keep_rate']:.3f} ({v0_path.name})")
+    agent_v0 = v0_metrics.get("eval/agent/success")
+    agent_line = "" if agent_v0 is None else f", agent held-out task success {agent_v0:.3f}"
+    console.print(f"v0 held-out keep rate {v0_metrics['eval/keep_rate']:.3f}{agent_line} ({v0_path.name})")
     stack = DemoStack(settings, v0_path, v0_metrics, replicas=opts.replicas)
     with console.status("starting broker, database, worker, engines, gateway and API"):
         stack.start()
@@ -260,7 +286,7 @@ def run_demo(base: Settings, opts: DemoOptions) -> dict[str, Any]:
         rates,
         span_s,
         speedup,
-        DeveloperConfig(mean_rps=opts.mean_rps),
+        DeveloperConfig(mean_rps=opts.mean_rps, agent_share=opts.agent_share, agent_group=opts.agent_group),
         api_key=stack.gateway_key,
     )
     import asyncio
@@ -285,6 +311,10 @@ def run_demo(base: Settings, opts: DemoOptions) -> dict[str, Any]:
                         {
                             "simulated time": f"{min(now, span_s) * speedup / 3600:5.1f} h of 24 h",
                             "requests": f"{s.requests} ({s.errors} errors), kept {s.kept}, passed {s.passed}",
+                            "agent sessions": (
+                                f"{s.agent_sessions} ({s.agent_errors} errors), submitted {s.agent_submitted}, "
+                                f"kept {s.agent_kept}, {s.agent_summaries} with a summary"
+                            ),
                             "by version": dict(s.by_version),
                             "signals sent": f"{s.signals} ({s.signal_errors} refused)",
                             "loop": status,

@@ -37,8 +37,11 @@ log = structlog.get_logger(__name__)
 V0_ID = "v0000"
 
 
-def v0_cache(settings: Settings, cache_root: Path, *, sft_steps: int, eval_cfg: Any) -> tuple[Path, dict[str, Any]]:
-    """The cached v0 checkpoint and its held-out metrics; trained (warm-up) and evaluated when missing."""
+def v0_cache(
+    settings: Settings, cache_root: Path, *, sft_steps: int, eval_cfg: Any, agent_every: int = 0
+) -> tuple[Path, dict[str, Any]]:
+    """The cached v0 checkpoint and its held-out metrics; trained (warm-up, every ``agent_every``-th
+    step on agent transcripts) and evaluated when missing."""
     from policy.evaluate import evaluate
     from policy.model import PRESETS_REVISION, save_checkpoint
     from policy.sft import SFTConfig, warmup
@@ -46,7 +49,8 @@ def v0_cache(settings: Settings, cache_root: Path, *, sft_steps: int, eval_cfg: 
 
     cfg = settings.policy
     key = (
-        f"v0-{cfg.preset}-seed{cfg.seed}-sft{sft_steps}-eval{eval_cfg.per_tier}x{eval_cfg.samples_per_task}"
+        f"v0-{cfg.preset}-seed{cfg.seed}-sft{sft_steps}a{agent_every}"
+        f"-eval{eval_cfg.per_tier}x{eval_cfg.samples_per_task}a{eval_cfg.agent_per_tier}x{eval_cfg.agent_samples}"
         f"-tok{REVISION}-m{PRESETS_REVISION}"
     )
     path = cache_root / key
@@ -57,7 +61,8 @@ def v0_cache(settings: Settings, cache_root: Path, *, sft_steps: int, eval_cfg: 
 
     torch.set_num_threads(cfg.threads)
     log.info("demo.v0_warmup", steps=sft_steps, cache=str(path))
-    model, tokenizer, metrics = warmup(SFTConfig(preset=cfg.preset, seed=cfg.seed, steps=sft_steps))
+    sft = SFTConfig(preset=cfg.preset, seed=cfg.seed, steps=sft_steps, agent_every=agent_every)
+    model, tokenizer, metrics = warmup(sft)
     metrics.update(evaluate(model, tokenizer, eval_cfg))
     tmp = cache_root / (key + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -39,8 +39,11 @@ def test_scripted_transcripts_are_what_the_engine_renders_and_train_only_the_rep
     calls = [t for _, t in texts if t.startswith("<tool_call>")]
     summaries = [t for p, t in texts if SUMMARY_REQUEST in p]
     assert calls and summaries and all(t.startswith(SUMMARY_TEXT) for t in summaries)
-    parsed = json.loads(calls[0].removeprefix("<tool_call>").split("</tool_call>")[0])
-    assert parsed["name"] in ("run_tests", "submit") and isinstance(parsed["arguments"]["code"], str)
+    parsed = [json.loads(c.removeprefix("<tool_call>").split("</tool_call>")[0]) for c in calls]
+    tests = [p for p in parsed if p["name"] == "run_tests"]
+    submits = [p for p in parsed if p["name"] == "submit"]
+    assert tests and all(isinstance(p["arguments"]["code"], str) for p in tests)
+    assert submits and all(p["arguments"] == {} for p in submits)  # the workspace: the body last tested
     # the prompt of an example is the conversation as the serving engine renders it
     session = AgentSession(tasks[0], context_budget_chars=200, system_prompt="Coding agent.")
     ask = session.request()
@@ -73,3 +76,9 @@ def test_a_warm_up_with_agent_transcripts_and_its_evaluation(sandbox) -> None:  
     assert result["agent/sessions"] == 6
     assert 0.0 <= result["agent/success"] <= result["agent/pass"] <= result["agent/submitted"] <= 1.0
     assert 1.0 <= result["agent/mean_turns"] <= 2.0
+    # the held-out evaluation of a version carries the agent's figures next to the completions'
+    from policy.evaluate import EvalConfig, evaluate
+
+    both = evaluate(model, tokenizer, EvalConfig(per_tier=1, samples_per_task=1, agent_per_tier=1, agent_samples=2))
+    assert "eval/keep_rate" in both and both["eval/agent/sessions"] == 6
+    assert 0.0 <= both["eval/agent/success"] <= 1.0

@@ -22,7 +22,7 @@ from policy.advantages import compute_advantages
 from policy.forward import forward_tokens, score_tokens
 from policy.losses import LossConfig
 from policy.model import build_model
-from policy.packing import block_causal_mask, forward_packed, pack_sequences, packed_positions
+from policy.packing import block_causal_mask, forward_packed, forward_packed_rows, pack_sequences, packed_positions
 from policy.rollouts import Rollout
 from policy.tokenizer import default_tokenizer
 from policy.trainer import TrainConfig, update_step
@@ -86,6 +86,26 @@ def test_a_sequence_cannot_see_its_row_neighbours(tiny) -> None:  # type: ignore
     assert not torch.allclose(after[1].logprobs, before[1].logprobs)
 
 
+@pytest.mark.parametrize("replay", [False, True])
+def test_rows_in_one_forward_match_each_row_alone(tiny, replay: bool) -> None:  # type: ignore[no-untyped-def]
+    seqs = _sequences(11, seed=5)
+    rows = [seqs[:3], seqs[3:4], seqs[4:9], seqs[9:]]  # rows of unequal length: the shorter are padded
+    prompts = [[1 + i % 2 for i in range(len(row))] for row in rows]
+    served = [[(score_tokens(tiny, s, prompt_len=1).routed_experts + 5) % 8 for s in row] for row in rows]
+    if replay:
+        served[1] = [None]  # a row without served experts is routed by the router
+    with torch.no_grad():
+        together = forward_packed_rows(tiny, rows, prompts, routed_experts=served if replay else None)
+        for row, row_prompts, row_served, outs in zip(rows, prompts, served, together, strict=True):
+            alone = forward_packed(tiny, row, row_prompts, routed_experts=row_served if replay else None)
+            assert len(outs) == len(alone) == len(row)
+            for a, b in zip(outs, alone, strict=True):
+                torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+                torch.testing.assert_close(a.entropy, b.entropy, rtol=1e-6, atol=1e-5)
+                assert torch.equal(a.routed_experts, b.routed_experts)
+    assert forward_packed_rows(tiny, [], []) == []
+
+
 def _mixed_batch(model, tokenizer) -> list[Rollout]:  # type: ignore[no-untyped-def]
     """The synthetic batch plus longer rollouts of varied lengths (several rows at the budget used)."""
     batch = synthetic_batch(model, tokenizer)
@@ -108,20 +128,25 @@ def test_packed_update_matches_unpacked(tokenizer, loss: LossConfig) -> None:  #
     batch = _mixed_batch(base, tokenizer)
     ref = build_model("tiny", len(tokenizer), seed=4)
     results = {}
-    for pack in (0, 48):
+    for pack, rows in ((0, 1), (48, 1), (48, 3)):  # one at a time; one row per forward; three rows per forward
         model = build_model("tiny", len(tokenizer), seed=0)
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
-        cfg = TrainConfig(pack_tokens=pack, grad_clip=1e9, loss=loss)
+        cfg = TrainConfig(pack_tokens=pack, pack_rows=rows, grad_clip=1e9, loss=loss)
         metrics = update_step(model, opt, batch, cfg, ref_model=ref if loss.kl_coef else None)
-        results[pack] = (metrics, {k: v.detach().clone() for k, v in model.state_dict().items()})
-    (m0, w0), (m1, w1) = results[0], results[48]
+        results[(pack, rows)] = (metrics, {k: v.detach().clone() for k, v in model.state_dict().items()})
+    for packed in ((48, 1), (48, 3)):
+        _assert_same_update(results[(0, 1)], results[packed], loss)
+
+
+def _assert_same_update(one, packed, loss: LossConfig) -> None:  # type: ignore[no-untyped-def]
+    (m0, w0), (m1, w1) = one, packed
     for key in ("loss/total", "loss/policy", "optim/grad_norm", "entropy/mean", "ratio/clip_frac", "is/mean_weight"):
         assert m1[key] == pytest.approx(m0[key], rel=1e-5, abs=1e-7), key
     assert m1["batch/trained_tokens"] == m0["batch/trained_tokens"]
     if loss.load_balance_coef:
         assert m1["moe/load_balance"] == pytest.approx(m0["moe/load_balance"], rel=1e-5)
     assert m0["gap/max_abs_logprob"] == pytest.approx(m1["gap/max_abs_logprob"], abs=1e-5)
-    initial = build_model("tiny", len(tokenizer), seed=0).state_dict()
+    initial = build_model("tiny", len(w0["model.embed_tokens.weight"]), seed=0).state_dict()
     moved = 0
     for k, v in w0.items():  # SGD at lr 1: the weight change is the gradient
         torch.testing.assert_close(w1[k] - initial[k], v - initial[k], rtol=1e-4, atol=1e-6)

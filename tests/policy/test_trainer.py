@@ -195,3 +195,53 @@ def test_two_processes_match_one_process(mode: str, tokenizer, tmp_path: Path) -
     )
     assert step == 1 and extra == {"mode": mode}
     assert _same(_weights(plain), two["weights"])
+
+
+def test_device_and_backend_follow_the_hardware() -> None:
+    from policy.distributed import backend_for, on_cpu, train_device
+
+    assert train_device("cpu") == torch.device("cpu") and backend_for(torch.device("cpu")) == "gloo"
+    assert backend_for(torch.device("cuda", 0)) == "nccl"
+    if torch.cuda.is_available():
+        assert train_device("auto").type == "cuda"
+    else:
+        assert train_device("auto") == torch.device("cpu")
+        with pytest.raises(RuntimeError, match="no CUDA"):
+            train_device("cuda")
+    with pytest.raises(ValueError, match="auto, cpu or cuda"):
+        train_device("tpu")
+    model = torch.nn.Linear(2, 2)
+    assert on_cpu(model) is model  # already there: no copy
+
+
+def test_bf16_autocast_trains_in_float32_weights(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    from policy.trainer import autocast
+
+    assert isinstance(
+        autocast(torch.device("cpu"), TrainConfig()), type(autocast(torch.device("cpu"), TrainConfig(autocast="off")))
+    )
+    with autocast(torch.device("cpu"), TrainConfig()):  # auto on CPU: float32 (replay's exact logprobs)
+        assert not torch.is_autocast_enabled("cpu")
+    with pytest.raises(ValueError, match="autocast"):
+        autocast(torch.device("cpu"), TrainConfig(autocast="fp8"))
+    results = {}
+    for mode in ("off", "bf16"):
+        for pack in (0, 64):
+            model = build_model("tiny", len(tokenizer), seed=0)
+            batch = synthetic_batch(model, tokenizer)
+            before = _weights(model)
+            opt = torch.optim.SGD(model.parameters(), lr=1.0)
+            cfg = TrainConfig(autocast=mode, pack_tokens=pack, grad_clip=1e9)
+            metrics = update_step(model, opt, batch, cfg)
+            after = _weights(model)
+            assert all(v.dtype == torch.float32 for v in after.values())
+            assert np.isfinite(metrics["loss/total"]) and metrics["optim/grad_norm"] > 0
+            results[(mode, pack)] = (metrics, {k: after[k] - before[k] for k in after})
+    for pack in (0, 64):
+        (m32, g32), (m16, g16) = results[("off", pack)], results[("bf16", pack)]
+        # bf16 keeps ~3 significant digits: the update is the same one, to that precision
+        assert m16["loss/total"] == pytest.approx(m32["loss/total"], rel=0.05, abs=1e-3)
+        assert m16["gap/max_abs_logprob"] > m32["gap/max_abs_logprob"]  # and it is visible in the gap
+        flat32 = torch.cat([g.flatten() for g in g32.values()])
+        flat16 = torch.cat([g.flatten() for g in g16.values()])
+        assert torch.nn.functional.cosine_similarity(flat32, flat16, dim=0) > 0.95

@@ -44,6 +44,10 @@ def test_the_dry_run_goes_through_every_step_on_cpu(sandbox: None, tmp_path: Pat
 
     # sessions through the gateway became trajectories and one update: a delta, applied, its hash checked
     assert result["train"]["trajectories"]["sessions"] == 2 and result["train"]["trained_tokens"] > 0
+    import torch
+
+    gpu = torch.cuda.is_available()  # the trainer's CUDA path (bf16 autocast) where there is a GPU
+    assert result["train"]["device"].startswith("cuda" if gpu else "cpu") and result["train"]["bf16_autocast"] is gpu
     delta = result["delta"]
     assert delta["kind"] == "delta" and delta["version"] == "v1" and delta["hash_matches"]
     assert result["train"]["delta_bytes"] > 0

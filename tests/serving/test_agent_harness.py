@@ -14,6 +14,7 @@ from serving_helpers import consume, telemetry_gateway
 from policy.agent import (
     NUDGE,
     SUMMARY_REQUEST,
+    AgentSession,
     context_chars,
     dispatch,
     gateway_client,
@@ -118,15 +119,18 @@ def test_malformed_arguments_and_unknown_tools_are_answered_not_raised() -> None
     calls = [
         _call("run_tests", '{"code": "return x'),  # cut-off JSON
         _call("run_tests", '["return x"]'),
-        _call("submit", '{"body": "return x"}'),
+        _call("submit", '{"body": "return x"}'),  # no code and nothing tested: nothing to submit
         _call("rm_rf", '{"code": "return x"}'),
+        _call("submit", '{"code": 5}'),
+        _call("run_tests", "{}"),
     ]
     outcomes = dispatch(_message(*calls), TASK)
     assert [o.call_id for o in outcomes] == [c["id"] for c in calls]
-    assert [o.ok for o in outcomes] == [False] * 4
+    assert [o.ok for o in outcomes] == [False] * 6
     assert all(o.content.startswith("error: ") and o.verdict is None and not o.submitted for o in outcomes)
     assert "not valid JSON" in outcomes[0].content and "JSON object" in outcomes[1].content
-    assert '"code"' in outcomes[2].content and "unknown tool 'rm_rf'" in outcomes[3].content
+    assert "nothing to submit" in outcomes[2].content and "unknown tool 'rm_rf'" in outcomes[3].content
+    assert all('"code"' in o.content for o in outcomes[4:])
     assert dispatch({"role": "assistant", "content": "no tools"}, TASK) == []
 
 
@@ -152,3 +156,25 @@ def test_submit_ends_with_the_reward_of_the_verdict() -> None:
     assert done.verdict is not None and done.verdict.kept and reward_of(done.verdict) == 1.0
     [wrong] = dispatch(_message(_call("submit", json.dumps({"code": TASK.wrong[0]}))), TASK)
     assert wrong.submitted and wrong.verdict is not None and reward_of(wrong.verdict) == 0.0
+
+
+@pytest.mark.usefixtures("sandbox")
+def test_submit_without_code_submits_the_last_body_tested() -> None:
+    session = AgentSession(TASK, max_turns=4)
+    session.request()
+    session.observe(_message(_call("run_tests", json.dumps({"code": TASK.wrong[0]}))))
+    session.request()
+    session.observe(_message(_call("run_tests", json.dumps({"code": TASK.concise}))))
+    assert session.result.workspace == TASK.concise and not session.finished
+    session.request()
+    session.observe(_message(_call("submit", "{}")))
+    assert session.finished and session.result.ended == "submitted"
+    assert session.result.submitted_code == TASK.concise and session.result.reward == 1.0
+    # within one message, a run_tests before the submit sets what it submits
+    [tested, done] = dispatch(
+        _message(_call("run_tests", json.dumps({"code": TASK.wrong[0]})), _call("submit", "")),
+        TASK,
+        workspace=TASK.concise,
+    )
+    assert tested.code == done.code == TASK.wrong[0] and done.submitted and done.verdict is not None
+    assert not done.verdict.passed

@@ -24,6 +24,7 @@ from policy.tasks import Task, all_tasks
 from policy.windows import SUMMARY_TEXT
 
 MODEL = "undertow-policy"
+USER = "dev-traj"
 SYSTEM = "Coding agent."
 SHORT_TOOLS = [{"type": "function", "function": {"name": name}} for name in ("run_tests", "submit")]
 TASK: Task = next(t for t in all_tasks() if t.tier == 1 and t.wrong)
@@ -119,7 +120,11 @@ def test_a_tool_calling_session_with_a_summary_becomes_one_masked_trajectory_and
                 tools=SHORT_TOOLS,
                 group="task-group",
                 tool_choice="required",
+                user=USER,
             )
+            # the developer accepts what the session produced: one signal on the agent session as a whole
+            signal = {"type": "edit.accepted", "session_id": session, "user_id": USER, "payload": {}}
+            assert client.post("/v1/signals", json=signal).status_code == 202
         assert result.error is None, result.error
         assert result.tool_calls_ok >= 1 and result.summaries >= 1
         events = [e for e in consume(broker.bootstrap, topic, 10_000, timeout_s=5) if "turn" in e.get("payload", {})]
@@ -163,7 +168,42 @@ def test_a_tool_calling_session_with_a_summary_becomes_one_masked_trajectory_and
     assert metrics["batch/trained_tokens"] == len(generated)
     assert metrics["gap/max_abs_logprob"] < 1e-4, metrics
     assert np.isfinite(metrics["loss/total"]) and metrics["optim/grad_norm"] > 0
+
+    # the production update finds the session by its own id (no stored row has it) and trains it
+    # with the reward its signal gave every turn
+    _production_update_trains_the_session(engine, f"sqlite:///{tmp_path / 'db.sqlite'}", tool_engine, session, tmp_path)
     engine.dispose()
+
+
+def _production_update_trains_the_session(engine, url: str, tool_engine, session: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from policy.config import PolicyConfig
+    from policy.production import ProductionSession, TrainRequest, session_rewards
+    from policy.versions import record_version
+    from reward_models.config import RewardsConfig
+
+    deadline = time.monotonic() + 30
+    while not _signals(engine) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    rewards = session_rewards(engine, RewardsConfig())
+    turn_rewards = {rewards[k] for k in rewards if k.startswith(f"{session}.t")}
+    assert len(turn_rewards) == 1 and next(iter(turn_rewards)) > 0.5, rewards  # the accept reached every turn
+    record_version(engine, version="v0000", parent=None, step=0, checkpoint_path=tool_engine.checkpoint, metrics={})
+    request = TrainRequest(steps=1, groups_per_step=1)
+    prod = ProductionSession(PolicyConfig(), RewardsConfig(), url, tmp_path / "home", request)
+    assert prod.plan == [[(session, next(iter(turn_rewards)))]]
+    metrics = prod.step()
+    assert metrics["batch/rollouts"] >= 2  # the session's windows, trained together
+    assert metrics["reward/mean"] == pytest.approx(next(iter(turn_rewards)))
+    assert np.isfinite(metrics["loss/total"])
+
+
+def _signals(engine) -> int:  # type: ignore[no-untyped-def]
+    from sqlalchemy import func
+
+    from ingest.tables import SignalRow
+
+    with Session(engine) as db:
+        return int(db.scalar(select(func.count()).select_from(SignalRow)) or 0)
 
 
 def test_an_engine_that_dies_mid_session_leaves_the_session_whole(versions, broker, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -177,9 +217,10 @@ def test_an_engine_that_dies_mid_session_leaves_the_session_whole(versions, brok
         with telemetry_gateway([p.url for p in procs], broker.bootstrap, tmp_path / "spool", "fault") as (
             url,
             topic,
-            _,
+            gateway,
         ):
             session = AgentSession(TASK, session_id=session_id, max_turns=4, max_tokens=8, system_prompt=SYSTEM)
+            holders = []
             with gateway_client(url, timeout_s=60) as client:
                 while (ask := session.request()) is not None:
                     body = {"model": MODEL, "tools": SHORT_TOOLS, "seed": session.turn_index, **ask}
@@ -187,8 +228,9 @@ def test_an_engine_that_dies_mid_session_leaves_the_session_whole(versions, brok
                     resp = client.post("/v1/chat/completions", json=body, headers=headers)
                     assert resp.status_code == 200, resp.text
                     session.observe(resp.json()["choices"][0]["message"])
-                    if session.turn_index == 0:
-                        procs[0].kill()  # mid-session: the next turns find one replica gone
+                    holders.append(gateway.affinity[session_id])
+                    if session.turn_index == 1:  # mid-session: the replica holding the session dies
+                        procs[int(holders[-1][1:])].kill()
             events: list[dict[str, Any]] = []
             for _ in range(10):
                 events = [
@@ -203,3 +245,5 @@ def test_an_engine_that_dies_mid_session_leaves_the_session_whole(versions, brok
             p.kill()
     assert session.result.error is None and session.result.turns == 4
     assert sorted(e["payload"]["turn"]["index"] for e in events) == [0, 1, 2, 3]  # each turn once
+    # the session kept its replica while it lived (affinity), then moved to the survivor and stayed
+    assert holders[0] == holders[1] and holders[2] == holders[3] and holders[2] != holders[1], holders

@@ -194,6 +194,16 @@ def test_gate_and_stages_rules() -> None:
     assert gate({"requests": 10, "error_rate": 0.01, "latency_ms_p50": 12.0, "acceptance": 0.58}, old, cfg)[0]
     assert "latency" in gate({"requests": 10, "error_rate": 0.0, "latency_ms_p50": 30.0}, old, cfg)[1]
     assert "acceptance" in gate({"requests": 10, "error_rate": 0.0, "acceptance": 0.3}, old, cfg)[1]
+    # with the judged counts, a drop must also be significant: 3 of 8 sessions is noise against 60%...
+    counted = {**old, "judged": 100}
+    assert gate({"requests": 10, "error_rate": 0.0, "acceptance": 3 / 8, "judged": 8}, counted, cfg)[0]
+    # ...6 of 60 is not, and neither is a collapse seen on 8 (the gate drill's case)
+    for acceptance, judged in ((6 / 60, 60), (0.0, 8)):
+        ok, why = gate({"requests": 10, "error_rate": 0.0, "acceptance": acceptance, "judged": judged}, counted, cfg)
+        assert not ok and "standard errors" in why, why
+    # z 0: the drop alone decides, as without counts
+    plain = DeployConfig(gate_min_requests=10, gate_acceptance_z=0.0)
+    assert not gate({"requests": 10, "error_rate": 0.0, "acceptance": 3 / 8, "judged": 8}, counted, plain)[0]
     assert stage_sizes(3, DeployConfig(canary_replicas=1, stages=[0.5, 1.0])) == [1, 2, 3]
     assert stage_sizes(1, DeployConfig()) == [1]
     assert stage_sizes(10, DeployConfig(canary_replicas=1, stages=[0.5])) == [1, 5, 10]

@@ -16,8 +16,27 @@ from pathlib import Path
 
 import pytest
 
-FIELDS = ("versions", "v0_heldout_retention", "final_heldout_retention", "gain_points", "minutes", "rollbacks")
-VERSION_FIELDS = ("version", "heldout_retention", "heldout_acceptance", "online_acceptance", "reward_model", "rollout")
+FIELDS = (
+    "versions",
+    "v0_heldout_retention",
+    "final_heldout_retention",
+    "v0_heldout_task_success",
+    "final_heldout_task_success",
+    "gain_points",
+    "mean_turns",
+    "sessions_with_summary",
+    "minutes",
+    "rollbacks",
+)
+VERSION_FIELDS = (
+    "version",
+    "heldout_retention",
+    "heldout_acceptance",
+    "heldout_task_success",
+    "online_acceptance",
+    "reward_model",
+    "rollout",
+)
 
 
 @pytest.mark.slow
@@ -33,6 +52,8 @@ def test_demo_loop_produces_a_gated_version(tmp_path: Path) -> None:
         sft_steps=60,
         eval_per_tier=4,
         eval_samples=2,
+        agent_eval_per_tier=2,
+        agent_eval_samples=1,
         steps_per_version=2,
         groups_per_step=4,
         min_new_groups=6,
@@ -60,6 +81,10 @@ def test_demo_loop_produces_a_gated_version(tmp_path: Path) -> None:
     for v in report["versions"]:
         assert all(key in v for key in VERSION_FIELDS)
         assert v["heldout_retention"] is not None and 0.0 <= v["heldout_retention"] <= 1.0
+        assert v["heldout_task_success"] is not None and 0.0 <= v["heldout_task_success"] <= 1.0
+    assert report["gain_measured_on"] == "heldout_task_success"
     assert report["developers"]["requests"] > 0 and report["developers"]["signals"] > 0
+    # the agent ran through the gateway: multi-turn sessions, judged and signalled
+    assert report["developers"]["agent_sessions"] > 0 and report["mean_turns"] >= 1
     assert any(e["event"] == "lent" for e in report["borrowing"])  # the update ran on a borrowed replica
     print(f"demo smoke: {seconds:.0f} s, gain {report['gain_points']:+.1f} points (not asserted)")
