@@ -199,7 +199,9 @@ def _packed_passes(
     one-at-a-time path, so the sum over forwards is the same loss."""
     device = model_device(model)
     active, work = _packed_rows(batch, advantages, needs_all, cfg.pack_tokens, pad=sharded)
-    first: PackedRow | None = next((row for row in work if row is not None), None)
+    if not work:  # nothing carries a gradient (every advantage 0, no KL or entropy term)
+        return
+    first = next((row for row in work if row is not None), None)
     if first is None:  # this rank has no row at all: pad with the batch's first rollout alone
         first = PackedRow((0,), (len(batch[active[0]].prompt_ids) + len(batch[active[0]].completion_ids),))
     per_forward = max(1, cfg.pack_rows)

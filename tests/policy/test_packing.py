@@ -154,6 +154,15 @@ def _assert_same_update(one, packed, loss: LossConfig) -> None:  # type: ignore[
     assert moved > 10
 
 
+def test_packed_update_of_a_batch_without_gradient_is_a_no_op(tiny, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    batch = [replace(r, reward=1.0) for r in synthetic_batch(tiny, tokenizer)]  # every group all alike: advantages 0
+    before = {k: v.clone() for k, v in tiny.state_dict().items()}
+    opt = torch.optim.SGD(tiny.parameters(), lr=1.0)
+    metrics = update_step(tiny, opt, batch, TrainConfig(pack_tokens=64, pack_rows=4))
+    assert metrics["batch/trained_tokens"] <= 1.0 and metrics["optim/grad_norm"] == 0.0
+    assert all(torch.equal(v, before[k]) for k, v in tiny.state_dict().items())
+
+
 def test_packed_update_rejects_negative_budget(tiny, tokenizer) -> None:  # type: ignore[no-untyped-def]
     opt = torch.optim.SGD(tiny.parameters(), lr=1.0)
     with pytest.raises(ValueError, match="pack_tokens"):
