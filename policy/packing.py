@@ -83,15 +83,28 @@ def block_causal_mask(
 ) -> torch.Tensor:
     """Additive ``[1, 1, L, L]`` mask: 0 where a token may attend (itself and earlier tokens of its
     own sequence), the dtype's most negative value elsewhere."""
-    seg = torch.repeat_interleave(
-        torch.arange(len(lengths), device=device), torch.tensor([int(n) for n in lengths], device=device)
-    )
-    total = seg.shape[0]
-    causal = torch.ones((total, total), dtype=torch.bool, device=device).tril()
-    allowed = causal & (seg[:, None] == seg[None, :])
-    mask = torch.zeros((total, total), dtype=dtype, device=device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None]
+    return segment_mask(_segments(lengths, sum(int(n) for n in lengths))[None], dtype, device)
+
+
+def _segments(lengths: Sequence[int], width: int) -> torch.Tensor:
+    """int64 ``[width]``: each token's sequence in its row, -1 for the padding after them."""
+    seg = torch.full((width,), -1, dtype=torch.int64)
+    total = sum(int(n) for n in lengths)
+    seg[:total] = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor([int(n) for n in lengths]))
+    return seg
+
+
+def segment_mask(segment: torch.Tensor, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+    """Additive ``[rows, 1, L, L]`` mask from ``segment`` ``[rows, L]`` (:func:`_segments` per row): a
+    token attends to itself and to earlier tokens of its own sequence; a pad (-1) only to itself."""
+    segment = segment.to(device)
+    width = segment.shape[1]
+    causal = torch.ones((width, width), dtype=torch.bool, device=device).tril()
+    allowed = causal & (segment[:, :, None] == segment[:, None, :]) & (segment[:, :, None] >= 0)
+    allowed |= torch.eye(width, dtype=torch.bool, device=device)
+    mask = torch.zeros((segment.shape[0], 1, width, width), dtype=dtype, device=device)
+    mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+    return mask
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -167,18 +180,11 @@ def forward_packed_rows(
     width = max(sum(row) for row in lengths)
     ids = torch.zeros((len(rows), width), dtype=torch.int64, device=device)
     positions = torch.zeros((len(rows), width), dtype=torch.int64, device=device)
-    segment = torch.full((len(rows), width), -1, dtype=torch.int64)  # each token's sequence in its row; -1: pad
     for b, (row, row_lengths) in enumerate(zip(rows, lengths, strict=True)):
         total = sum(row_lengths)
         ids[b, :total] = torch.tensor([int(t) for s in row for t in s], dtype=torch.int64, device=device)
         positions[b, :total] = packed_positions(row_lengths, device)[0]
-        segment[b, :total] = torch.repeat_interleave(torch.arange(len(row_lengths)), torch.tensor(row_lengths))
-    segment = segment.to(device)
-    causal = torch.ones((width, width), dtype=torch.bool, device=device).tril()
-    allowed = causal & (segment[:, :, None] == segment[:, None, :]) & (segment[:, :, None] >= 0)
-    allowed |= torch.eye(width, dtype=torch.bool, device=device)  # a pad attends to itself alone
-    mask = torch.zeros((len(rows), 1, width, width), dtype=dtype, device=device)
-    mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+    mask = segment_mask(torch.stack([_segments(row_lengths, width) for row_lengths in lengths]), dtype, device)
     replay = natural = None
     if routed_experts is not None and any(r is not None for r in routed_experts):
         layers = install_routing(model)
