@@ -65,7 +65,7 @@ from serving.limits import BodyLimit
 from serving.protocol import ChatCompletionRequest, CompletionRequest
 from serving.ratelimit import Buckets
 from serving.telemetry import TelemetryEmitter
-from serving.trust import Refusal, SignalTrust
+from serving.trust import Refusal, SignalTrust, remember
 from serving.turns import MAX_SESSION_ID
 
 log = structlog.get_logger(__name__)
@@ -74,8 +74,6 @@ ReplicaSource = Callable[[], Awaitable[list[Replica]]]
 """Returns the replicas in rotation (static list, or the registry)."""
 
 ACCEPT_TYPES = {"edit.accepted": 1.0, "edit.rejected": 0.0}
-AFFINITY_SESSIONS = 65536
-"""Agent sessions whose replica the gateway remembers (the least recent are forgotten first)."""
 OPEN = ClientKey("anonymous", ("serve", "metrics"))
 """Who calls a gateway built without a key ring (tests, a development stack)."""
 STREAM_BROKEN = (
@@ -273,12 +271,8 @@ class Gateway:
 
     def _stick(self, session: str | None, rep: Replica) -> None:
         """Remember that ``rep`` served ``session`` (its next turn goes there while it is in rotation)."""
-        if session is None:
-            return
-        self.affinity[session] = rep.id
-        self.affinity.move_to_end(session)
-        while len(self.affinity) > AFFINITY_SESSIONS:
-            self.affinity.popitem(last=False)
+        if session is not None:
+            remember(self.affinity, session, rep.id)
 
     async def _replicas(self, session: str | None = None) -> AsyncIterator[Replica]:
         """Replicas to try for one request, each at most once: the first, then one per retry."""

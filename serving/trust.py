@@ -43,7 +43,8 @@ class Refusal:
     message: str
 
 
-def _remember(store: OrderedDict[Any, Any], key: Any, value: Any) -> None:
+def remember(store: OrderedDict[Any, Any], key: Any, value: Any) -> None:
+    """Put ``key`` in ``store`` as its most recent entry, forgetting the oldest past ``MAX_REMEMBERED``."""
     store[key] = value
     store.move_to_end(key)
     while len(store) > MAX_REMEMBERED:
@@ -61,9 +62,9 @@ class SignalTrust:
 
     def served(self, session_id: str, version: str, user: str | None, client: str | None = None) -> None:
         """Remember that ``session_id`` was served by ``version`` to ``user`` through ``client``."""
-        _remember(self.sessions, session_id, (version, user, client))
+        remember(self.sessions, session_id, (version, user, client))
         if user is not None:
-            _remember(self.users, (client, user), None)
+            remember(self.users, (client, user), None)
 
     def owner(self, session_id: str) -> str | None:
         """The user ``session_id`` was served to, if this gateway served it to a named user."""
@@ -148,4 +149,4 @@ class SignalTrust:
 
     def accepted(self, event_id: str) -> None:
         """Remember a forwarded ``event_id``."""
-        _remember(self.forwarded, event_id, None)
+        remember(self.forwarded, event_id, None)
