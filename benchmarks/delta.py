@@ -45,7 +45,7 @@ import zstandard
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from policy.config import WeightsConfig
-from policy.weights import WeightStore
+from policy.weights import SigningKey, WeightStore
 from policy.weights.codec import decode_tensor, encode_tensor
 from policy.weights.format import checksum, magnitude_mask, to_words
 from serving.protocol import ApplyRequest, PrefetchRequest
@@ -134,7 +134,8 @@ def measure(base: dict[str, torch.Tensor], target: dict[str, torch.Tensor]) -> d
     z3 = zstandard.ZstdCompressor(level=3)
     xor_zstd = sum(len(z3.compress(x.tobytes())) for x in xor.values())
     with tempfile.TemporaryDirectory() as tmp:
-        store = WeightStore(Path(tmp) / "weights", WeightsConfig())
+        signer = SigningKey(Path(tmp) / "keys" / "weights.pem", Path(tmp) / "keys" / "weights.pub")
+        store = WeightStore(Path(tmp) / "weights", WeightsConfig(), signer=signer)
         v0 = store.put(base).version
         start = time.perf_counter()
         manifest = store.put(target)
@@ -144,7 +145,7 @@ def measure(base: dict[str, torch.Tensor], target: dict[str, torch.Tensor]) -> d
             payloads = {k: reader.payload(k) for k in target}
         encodings = sorted({e.encoding for e in manifest.delta.tensors.values()})
         live = {k: v.clone() for k, v in base.items()}
-        updater = WeightUpdater.for_dict(live, version=v0, store_url=store.url)
+        updater = WeightUpdater.for_dict(live, version=v0, store_url=store.url, public_key=signer.public_path)
         start = time.perf_counter()
         updater.prefetch(PrefetchRequest(to_version=manifest.version, kind="delta"))
         updater.apply(ApplyRequest(to_version=manifest.version, expected_hash=manifest.version_hash))

@@ -44,6 +44,7 @@ import asyncio
 import contextlib
 import json
 import os
+import secrets
 import statistics
 import subprocess
 import sys
@@ -219,7 +220,7 @@ def main() -> None:
     from ingest.db import make_engine, upgrade
     from ingest.embedded import free_ports
     from policy.config import WeightsConfig
-    from policy.weights import WeightStore
+    from policy.weights import SigningKey, WeightStore
     from serving import fleet
     from serving.config import FleetConfig, GatewayConfig
     from serving.deploy import rollout
@@ -231,7 +232,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         ckpt, n_params = make_checkpoint(root, args.preset)
-        store = WeightStore(root / "store", WeightsConfig(zstd_level=3))
+        signer = SigningKey(root / "keys" / "weights.pem", root / "keys" / "weights.pub")
+        store = WeightStore(root / "store", WeightsConfig(zstd_level=3), signer=signer)
+        token = secrets.token_urlsafe(32)
+        fleet_cfg = FleetConfig(unhealthy_after=1, control_token=token)
         hashes = {"v0": store.put(ckpt, version="v0", full=True).version_hash}
         stack = contextlib.ExitStack()
         store_url = stack.enter_context(remote_store(root, args.link_mbit)) if args.link_mbit else str(root / "store")
@@ -239,7 +243,13 @@ def main() -> None:
         ports = free_ports(3)
         procs = [
             EngineProcess(
-                ckpt, "v0", store_url, port=ports[i], log_path=logs / f"engine-{i}.log" if logs else None
+                ckpt,
+                "v0",
+                store_url,
+                port=ports[i],
+                log_path=logs / f"engine-{i}.log" if logs else None,
+                control_token=token,
+                public_key=signer.public_path,
             ).start()
             for i in range(3)
         ]
@@ -258,7 +268,7 @@ def main() -> None:
             for i, p in enumerate(procs):
                 fleet.register_replica(db, f"r{i}", p.url)
             fleet.set_target(db, "v0", hashes["v0"])
-            asyncio.run(fleet.check_fleet(db, FleetConfig(unhealthy_after=1)))
+            asyncio.run(fleet.check_fleet(db, fleet_cfg))
             gw = Gateway(registry_source(db, "default", 0.2), None, GatewayConfig(), "undertow-policy")
             cfg = DeployConfig(canary_replicas=1, stages=[0.5, 1.0], prefetch_concurrency=args.pulls)
             with ServerThread(create_gateway_app(gw)) as srv:
@@ -277,8 +287,10 @@ def main() -> None:
                     time.sleep(0.3)
                     for r in range(args.rounds):
                         odd, even = f"v{2 * r + 1}", f"v{2 * r + 2}"
-                        delta = asyncio.run(rollout(db, odd, hashes[odd], cfg, kind="delta"))
-                        full = asyncio.run(rollout(db, even, hashes[even], cfg, kind="snapshot"))
+                        delta = asyncio.run(rollout(db, odd, hashes[odd], cfg, kind="delta", fleet_config=fleet_cfg))
+                        full = asyncio.run(
+                            rollout(db, even, hashes[even], cfg, kind="snapshot", fleet_config=fleet_cfg)
+                        )
                         rounds.append((delta, full))
                     time.sleep(0.2)
         finally:

@@ -23,6 +23,13 @@ class WeightsConfig(BaseModel):
     """Garbage collection keeps the newest N versions besides those replicas hold."""
     stale_write_s: float = Field(default=3600.0, gt=0)
     """An incomplete version directory (no manifest) older than this is a crashed write that GC removes."""
+    signing_key: str = "keys/weights-signing.pem"
+    """The trainer's Ed25519 key that signs every version's manifest (PEM; relative: under the home), created
+    with mode 0600 on the first put or by ``undertow weights keygen``. Keep it off the store and the replicas."""
+    public_key: str = "keys/weights-signing.pub"
+    """Public keys (PEM blocks; relative: under the home) a replica verifies manifests with: it applies only
+    versions signed by one of them. Creating the signing key appends its public key here; during a key
+    rotation the file holds the old and the new key."""
 
 
 class PolicyConfig(BaseModel):

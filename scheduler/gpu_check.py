@@ -7,8 +7,10 @@ The steps, in order (the dry run does every one, with the CPU engine where vLLM 
    architecture, safetensors weights, the tokenizer with its chat template (``chat_template.jinja``,
    which both ``transformers`` and vLLM read); it goes into a fresh weight store as v0.
 2. **serve**: ``vllm serve`` with Undertow's worker extension, the ``hermes`` tool-call parser,
-   routed experts returned and prefix caching (:func:`vllm_command`, :func:`vllm_env`); in the dry
-   run, the CPU engine (``undertow engine serve``) on the same checkpoint and store.
+   routed experts returned, prefix caching and the control token on its control routes
+   (:func:`vllm_command`, :func:`vllm_env`); in the dry run, the CPU engine (``undertow engine
+   serve``) on the same checkpoint and store. The store's versions are signed with a key made for
+   the check, and the server verifies them with its public key.
 3. **sessions**: the agent harness (:mod:`policy.agent`) runs held-out tasks through a gateway in
    front of the server, several at once (so the server batches them); the gateway's telemetry
    events are kept.
@@ -32,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import tempfile
@@ -46,6 +49,8 @@ from typing import Any, Literal
 import httpx
 import numpy as np
 import structlog
+
+from serving.engine_auth import TOKEN_ENV
 
 log = structlog.get_logger(__name__)
 
@@ -113,21 +118,27 @@ def vllm_command(checkpoint: Path, port: int, dtype: str = "auto") -> list[str]:
         "--enable-prefix-caching",
         "--worker-extension-cls",
         "serving.vllm_ext.UndertowWorkerExtension",
+        "--middleware",
+        "serving.engine_auth.ControlAuth",
         "--enable-auto-tool-choice",
         "--tool-call-parser",
         "hermes",
     ]
 
 
-def vllm_env(store: Path, version: str, batch_invariant: bool) -> dict[str, str]:
-    """The environment ``vllm serve`` needs for the worker extension and the RPCs."""
-    return {
+def vllm_env(store: Path, version: str, batch_invariant: bool, public_key: Path | None = None) -> dict[str, str]:
+    """The environment ``vllm serve`` needs for the worker extension and the RPCs (the control token,
+    ``UNDERTOW_SERVING__FLEET__CONTROL_TOKEN``, is a secret: it is added where the server starts)."""
+    env = {
         "VLLM_SERVER_DEV_MODE": "1",
         "VLLM_USE_V2_MODEL_RUNNER": "1",
         "VLLM_BATCH_INVARIANT": "1" if batch_invariant else "0",
         "UNDERTOW_WEIGHTS_STORE": str(store),
         "UNDERTOW_WEIGHTS_VERSION": version,
     }
+    if public_key is not None:
+        env["UNDERTOW_WEIGHTS_PUBLIC_KEY"] = str(public_key)
+    return env
 
 
 def checkpoint_report(path: Path) -> dict[str, Any]:
@@ -176,7 +187,16 @@ def _v0(cfg: CheckConfig, workdir: Path) -> Path:
 class _Server:
     """The server under test: ``vllm serve`` or the CPU engine, with the same HTTP contract."""
 
-    def __init__(self, cfg: CheckConfig, checkpoint: Path, store: Path, workdir: Path, batch_invariant: bool) -> None:
+    def __init__(
+        self,
+        cfg: CheckConfig,
+        checkpoint: Path,
+        store: Path,
+        workdir: Path,
+        batch_invariant: bool,
+        public_key: Path,
+        token: str,
+    ) -> None:
         from serving.launch import EngineProcess, free_port
 
         self.backend = cfg.backend
@@ -185,9 +205,18 @@ class _Server:
         self.engine: EngineProcess | None = None
         self.process: subprocess.Popen[bytes] | None = None
         self.command = vllm_command(checkpoint, self.port, cfg.dtype)
-        self.env = vllm_env(store, "v0", batch_invariant)
+        self.env = vllm_env(store, "v0", batch_invariant, public_key)
+        self.token = token
         if cfg.backend == "cpu":
-            self.engine = EngineProcess(checkpoint, "v0", store, port=self.port, log_path=self.log_path)
+            self.engine = EngineProcess(
+                checkpoint,
+                "v0",
+                store,
+                port=self.port,
+                log_path=self.log_path,
+                control_token=token,
+                public_key=public_key,
+            )
         self.timeout_s = cfg.ready_timeout_s
 
     @property
@@ -203,7 +232,7 @@ class _Server:
                 self.command,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **self.env},
+                env={**os.environ, **self.env, TOKEN_ENV: self.token},
                 start_new_session=True,
             )
         deadline = time.monotonic() + self.timeout_s
@@ -304,7 +333,9 @@ def _sessions(cfg: CheckConfig, url: str, tag: str, count: int) -> tuple[Phase, 
     return phase, capture.events, rewards
 
 
-def served_model(checkpoint: Path, store_dir: Path | None = None, version: str | None = None) -> Any:
+def served_model(
+    checkpoint: Path, store_dir: Path | None = None, version: str | None = None, public_key: Path | None = None
+) -> Any:
     """The checkpoint's model on CPU in float32; with ``version``, updated to it from the store
     exactly as a server started from ``checkpoint`` is (:class:`serving.weights.WeightUpdater`:
     the store keeps the serving dtype, so the served weights are the trained ones rounded where
@@ -320,7 +351,10 @@ def served_model(checkpoint: Path, store_dir: Path | None = None, version: str |
     model, _ = load_checkpoint(checkpoint)
     if store_dir is not None and version is not None:
         updater = WeightUpdater(
-            ModelParams(model, checkpoint, threading.Lock()), version="v0", store_url=str(store_dir)
+            ModelParams(model, checkpoint, threading.Lock()),
+            version="v0",
+            store_url=str(store_dir),
+            public_key=public_key,
         )
         updater.prefetch(PrefetchRequest(to_version=version, from_version="v0", kind="delta"))
         expected = WeightStore(store_dir).manifest(version).version_hash
@@ -396,12 +430,12 @@ def _train_v1(v0: Path, events: list[dict[str, Any]], rewards: dict[str, float],
     }
 
 
-def _apply_delta(url: str, expected_hash: str) -> dict[str, Any]:
+def _apply_delta(url: str, expected_hash: str, token: str) -> dict[str, Any]:
     from serving.client import EngineClient
     from serving.protocol import ApplyRequest, PrefetchRequest
 
     async def go() -> dict[str, Any]:
-        async with EngineClient(url, timeout_s=600) as client:
+        async with EngineClient(url, timeout_s=600, token=token) as client:
             started = time.monotonic()
             pulled = await client.prefetch(PrefetchRequest(to_version="v1", from_version="v0", kind="delta"))
             await client.pause()
@@ -424,7 +458,7 @@ def _apply_delta(url: str, expected_hash: str) -> dict[str, Any]:
 def run_check(cfg: CheckConfig) -> dict[str, Any]:
     """Every step of the module docstring; returns the figures as one JSON-able object."""
     from policy.checker import require_sandbox
-    from policy.weights import WeightStore
+    from policy.weights import SigningKey, WeightStore
 
     started = time.monotonic()
     require_sandbox()  # the harness's tools run candidates in the checker's sandbox
@@ -436,10 +470,12 @@ def run_check(cfg: CheckConfig) -> dict[str, Any]:
     v0 = _v0(cfg, workdir)
     out["checkpoint"] = checkpoint_report(v0)
     store_dir = Path(tempfile.mkdtemp(prefix="store-", dir=workdir))
-    store = WeightStore(store_dir)
+    keys = Path(tempfile.mkdtemp(prefix="keys-", dir=workdir))
+    public_key, token = keys / "weights.pub", secrets.token_urlsafe(32)
+    store = WeightStore(store_dir, signer=SigningKey(keys / "weights.pem", public_key))
     store.put(v0, version="v0", full=True)
 
-    with _Server(cfg, v0, store_dir, workdir, batch_invariant=False) as server:
+    with _Server(cfg, v0, store_dir, workdir, False, public_key, token) as server:
         out["vllm_command"], out["vllm_env"] = server.command, server.env
         plain, events, rewards = _sessions(cfg, server.url, "plain", cfg.sessions)
         model_v0 = served_model(v0)
@@ -448,12 +484,12 @@ def run_check(cfg: CheckConfig) -> dict[str, Any]:
         v1, trained = _train_v1(v0, events, rewards, workdir)
         manifest = store.put(v1, version="v1", parent="v0")
         out["train"] = {**trained, "delta_bytes": manifest.delta.bytes if manifest.delta is not None else None}
-        out["delta"] = _apply_delta(server.url, manifest.version_hash)
+        out["delta"] = _apply_delta(server.url, manifest.version_hash, token)
         after, after_events, _ = _sessions(cfg, server.url, "after", 1)
-        model_v1 = served_model(v0, store_dir, "v1")
+        model_v1 = served_model(v0, store_dir, "v1", public_key)
         after.replay = logprob_gap(model_v1, after_events, replay=True)
         after.no_replay = logprob_gap(model_v1, after_events, replay=False)
-    with _Server(cfg, v0, store_dir, workdir, batch_invariant=True) as server:
+    with _Server(cfg, v0, store_dir, workdir, True, public_key, token) as server:
         invariant, events, _ = _sessions(cfg, server.url, "invariant", cfg.sessions)
         invariant.replay = logprob_gap(model_v0, events, replay=True)
         invariant.no_replay = logprob_gap(model_v0, events, replay=False)

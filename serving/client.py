@@ -3,7 +3,9 @@
 Used by the gateway (completions), the fleet health checks (health, weights version) and the
 deployer (pause, prefetch, apply, resume). Weight methods go through vLLM's dev-mode
 ``/collective_rpc``; every worker must report the same version and hash, else the replica is
-inconsistent and :class:`EngineError` is raised.
+inconsistent and :class:`EngineError` is raised. Control calls (everything but completions, the
+model list and ``/health``) carry the fleet's control token as a bearer header
+(:mod:`serving.engine_auth`); inference calls never do.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+from pydantic import SecretStr
 
+from serving.engine_auth import secret
 from serving.protocol import ApplyRequest, ApplyResult, CompletionResponse, PrefetchRequest, WeightInfo
 
 
@@ -39,13 +43,23 @@ def error_message(resp: httpx.Response) -> str:
 
 
 class EngineClient:
-    """Async client of one engine replica at ``base_url``."""
+    """Async client of one engine replica at ``base_url``; ``token``: the control token (None: control
+    calls go without one, and the engine refuses them)."""
 
-    def __init__(self, base_url: str, *, timeout_s: float = 120.0, client: httpx.AsyncClient | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout_s: float = 120.0,
+        client: httpx.AsyncClient | None = None,
+        token: SecretStr | str | None = None,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self._own = client is None
         self._client = client or httpx.AsyncClient(timeout=timeout_s)
         self.timeout_s = timeout_s
+        raw = secret(token)
+        self._control = {"authorization": "Bearer " + raw.decode()} if raw else {}
 
     async def aclose(self) -> None:
         if self._own:
@@ -57,10 +71,13 @@ class EngineClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def _call(self, method: str, path: str, *, timeout_s: float | None = None, **kwargs: Any) -> httpx.Response:
+    async def _call(
+        self, method: str, path: str, *, timeout_s: float | None = None, control: bool = False, **kwargs: Any
+    ) -> httpx.Response:
+        headers = self._control if control else None
         try:
             resp = await self._client.request(
-                method, self.base_url + path, timeout=timeout_s or self.timeout_s, **kwargs
+                method, self.base_url + path, timeout=timeout_s or self.timeout_s, headers=headers, **kwargs
             )
         except httpx.TransportError as exc:
             raise EngineError(self.base_url, 0, f"unreachable ({exc.__class__.__name__})") from exc
@@ -93,28 +110,28 @@ class EngineClient:
         return [m["id"] for m in resp.json()["data"]]
 
     async def sleep(self, level: int = 1) -> None:
-        await self._call("POST", "/sleep", params={"level": level})
+        await self._call("POST", "/sleep", params={"level": level}, control=True)
 
     async def wake_up(self) -> None:
-        await self._call("POST", "/wake_up")
+        await self._call("POST", "/wake_up", control=True)
 
     async def is_sleeping(self) -> bool:
-        return bool((await self._call("GET", "/is_sleeping")).json()["is_sleeping"])
+        return bool((await self._call("GET", "/is_sleeping", control=True)).json()["is_sleeping"])
 
     async def pause(self, *, wait_for_inflight_requests: bool = True, timeout_s: float = 60.0) -> dict[str, Any]:
         """Stop admitting requests (they are held) and, by default, wait for running ones to finish."""
         params = {"wait_for_inflight_requests": str(wait_for_inflight_requests).lower(), "timeout_s": timeout_s}
-        resp = await self._call("POST", "/pause", params=params, timeout_s=timeout_s + 5)
+        resp = await self._call("POST", "/pause", params=params, timeout_s=timeout_s + 5, control=True)
         return resp.json() if resp.content else {}
 
     async def resume(self) -> dict[str, Any]:
-        resp = await self._call("POST", "/resume")
+        resp = await self._call("POST", "/resume", control=True)
         return resp.json() if resp.content else {}
 
     async def rpc(self, method: str, timeout_s: float | None = None, **kwargs: Any) -> Any:
         """``POST /collective_rpc``; all workers must agree, the common result is returned."""
         resp = await self._call(
-            "POST", "/collective_rpc", json={"method": method, "kwargs": kwargs}, timeout_s=timeout_s
+            "POST", "/collective_rpc", json={"method": method, "kwargs": kwargs}, timeout_s=timeout_s, control=True
         )
         results = resp.json().get("results") or [None]
         first = results[0]

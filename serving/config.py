@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SecretStr
 
 
 class EngineConfig(BaseModel):
@@ -94,6 +94,11 @@ class FleetConfig(BaseModel):
     """A replica that does not answer within this is unreachable."""
     unhealthy_after: int = Field(default=2, ge=1)
     """Consecutive failed checks before a replica leaves rotation."""
+    control_token: SecretStr | None = None
+    """The bearer token every engine requires on its control routes (pause, sleep, ``collective_rpc``: all
+    but inference); the health checks, the deployer and borrowing send it. The CPU engine reads it here,
+    vLLM (``--middleware serving.engine_auth.ControlAuth``) from ``UNDERTOW_SERVING__FLEET__CONTROL_TOKEN``.
+    Unset: engines refuse every control call."""
 
 
 class DeployConfig(BaseModel):

@@ -3,8 +3,8 @@ the fleet registry, and the load history and capacity the planner sizes the lend
 
 :class:`RegistryFleet` implements the scheduler's ``FleetControl`` protocol over
 :mod:`serving.fleet` (the registry the gateway balances over) and :class:`serving.client.EngineClient`
-(the engines' dev-mode endpoints). The scheduler builds it from its settings; it never learns how a
-replica is drained or woken.
+(the engines' dev-mode endpoints, with the fleet's control token). The scheduler builds it from its
+settings; it never learns how a replica is drained or woken.
 
 - **drain**: the replica leaves rotation (state ``draining``); the gateway re-reads the registry
   every ``fleet_refresh_s``, so after that delay no new request reaches it; a pause that waits for
@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import structlog
+from pydantic import SecretStr
 from sqlalchemy import func, select
 
 from serving import fleet
@@ -55,8 +56,10 @@ class RegistryFleet:
         pause_timeout_s: float = 60.0,
         clock_speedup: float = 1.0,
         latency_slo_s: float = 2.0,
+        control_token: SecretStr | None = None,
     ) -> None:
         self.engine = engine
+        self.control_token = control_token
         self.refresh_s = refresh_s
         self.pause_timeout_s = pause_timeout_s
         self.clock_speedup = clock_speedup
@@ -72,7 +75,7 @@ class RegistryFleet:
         url = self._replica(replica_id).url
 
         async def go() -> Any:
-            async with EngineClient(url, timeout_s=self.pause_timeout_s + 10) as client:
+            async with EngineClient(url, timeout_s=self.pause_timeout_s + 10, token=self.control_token) as client:
                 return await getattr(client, method)(**kwargs)
 
         return asyncio.run(go())

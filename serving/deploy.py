@@ -38,6 +38,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import structlog
+from pydantic import SecretStr
 from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
@@ -183,8 +184,10 @@ async def _move(
     pulled: dict[str, Any] | None = None,
     client: EngineClient | None = None,
     timings: dict[str, Any] | None = None,
+    token: SecretStr | None = None,
 ) -> tuple[int, float]:
-    """Update one replica (``pulled``: already prefetched); returns (bytes pulled, pause ms).
+    """Update one replica (``pulled``: already prefetched; ``token``: the control token of a client made
+    here); returns (bytes pulled, pause ms).
 
     ``timings`` receives the seconds of each step (see :func:`serving.fleet.update_replica`) and
     of the registry writes (``registry``)."""
@@ -196,7 +199,7 @@ async def _move(
     try:
         async with contextlib.AsyncExitStack() as stack:
             if client is None:
-                client = await stack.enter_async_context(EngineClient(rep.url))
+                client = await stack.enter_async_context(EngineClient(rep.url, token=token))
             pulled, pause_ms = await fleet.update_replica(
                 client,
                 version,
@@ -234,11 +237,13 @@ async def rollout(
     ``guard``: the reward-hacking guard judged after every passed stage (None: no guard)."""
     start = time.perf_counter()
     overall: dict[str, float] = {"setup": 0.0, "gate": 0.0, "finish": 0.0}
+    fleet_config = fleet_config or FleetConfig()
+    token = fleet_config.control_token
     if fleet.recover_stale(db, config.stale_after_s, pool):
         # A crashed deployer left replicas on its version: bring them back to the target first.
-        await fleet.check_fleet(db, fleet_config or FleetConfig(), pool)
-        await fleet.reconcile(db, fleet_config or FleetConfig(), pool, config.pause_timeout_s)
-        await fleet.check_fleet(db, fleet_config or FleetConfig(), pool)
+        await fleet.check_fleet(db, fleet_config, pool)
+        await fleet.reconcile(db, fleet_config, pool, config.pause_timeout_s)
+        await fleet.check_fleet(db, fleet_config, pool)
     with transaction(db) as s:
         busy = s.scalars(
             select(DeploymentRow).where(DeploymentRow.pool == pool, DeploymentRow.status == "running")
@@ -279,7 +284,7 @@ async def rollout(
     failure = ""
     guard_note = ""
     async with contextlib.AsyncExitStack() as stack:
-        clients = {r.id: await stack.enter_async_context(EngineClient(r.url)) for r in replicas}
+        clients = {r.id: await stack.enter_async_context(EngineClient(r.url, token=token)) for r in replicas}
         pulls = _Pulls(to_version, kind, config.prefetch_concurrency, clients, result)
         if config.prefetch_ahead:
             pulls.start(replicas)
@@ -355,7 +360,7 @@ async def rollout(
         log.warning("deploy.rollback", deployment=dep_id, reason=failure)
         for rep in updated:
             try:
-                await _move(db, rep, old_version, old_hash, "auto", config)
+                await _move(db, rep, old_version, old_hash, "auto", config, token=token)
             except EngineError as exc:
                 failure += f"; rollback of {rep.id} failed ({exc.message}), it leaves rotation until reconciled"
         result.status, result.message = "rolled_back", failure

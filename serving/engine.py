@@ -8,6 +8,10 @@ Endpoints (vLLM names and shapes): ``POST /v1/completions`` and ``POST /v1/chat/
 methods of :data:`serving.protocol.WEIGHT_RPC_METHODS` (the same methods the vLLM worker
 extension exposes). The weights version is also returned as ``system_fingerprint``.
 
+Every route but inference, the model list, ``/health`` and ``/metrics`` needs the fleet's control
+token as a bearer header (:mod:`serving.engine_auth`): without it, or with a wrong one, the answer is
+401 and nothing is paused, put to sleep or applied.
+
 Pause holds new requests (they wait, they do not fail) until ``/resume``; with
 ``wait_for_inflight_requests=true`` (what the deployer sends) it returns once running requests
 have finished, so weights never change under a running request. Sleeping requests get 503.
@@ -21,16 +25,19 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, TypeVar
 
 import structlog
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import SecretStr
 
 from serving import generation
 from serving.chat import ARGUMENTS_OPENING, ChatError, forced_prefix, render_prompt, tool_names
 from serving.config import EngineConfig
+from serving.engine_auth import ControlAuth
 from serving.generation import Job
 from serving.memory import reserve, retain_freed_memory
 from serving.protocol import (
@@ -90,9 +97,13 @@ class EngineState:
             await asyncio.wait_for(self.idle.wait_for(lambda: self.inflight == 0), timeout_s)
 
 
-def create_engine_app(runner: ModelRunner, updater: WeightUpdater, config: EngineConfig) -> FastAPI:
-    """The engine's FastAPI app around a loaded runner and its weight updater."""
-    app = FastAPI(title="Undertow CPU engine", docs_url=None, redoc_url=None)
+def create_engine_app(
+    runner: ModelRunner, updater: WeightUpdater, config: EngineConfig, control_token: SecretStr | None
+) -> FastAPI:
+    """The engine's FastAPI app around a loaded runner and its weight updater; its control routes need
+    ``control_token`` (None: they are closed)."""
+    app = FastAPI(title="Undertow CPU engine", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(ControlAuth, token=control_token or "")
     max_model_len = min(config.max_model_len, runner.context_limit or config.max_model_len)
     state = EngineState()
     app.state.engine = state
@@ -324,13 +335,24 @@ def create_engine_app(runner: ModelRunner, updater: WeightUpdater, config: Engin
     return app
 
 
-def serve(checkpoint: str, version: str, store_url: str | None, config: EngineConfig) -> None:
-    """Load ``checkpoint`` as ``version`` and serve the engine contract until interrupted."""
+def serve(
+    checkpoint: str,
+    version: str,
+    store_url: str | None,
+    config: EngineConfig,
+    *,
+    public_key: Path | None,
+    control_token: SecretStr | None,
+) -> None:
+    """Load ``checkpoint`` as ``version`` and serve the engine contract until interrupted; versions pulled
+    from ``store_url`` must be signed by a key in ``public_key``, control calls carry ``control_token``."""
     import uvicorn
 
     runner = ModelRunner(checkpoint, threads=config.threads)
-    updater = WeightUpdater.for_runner(runner, version=version, store_url=store_url)
-    app = create_engine_app(runner, updater, config)
+    updater = WeightUpdater.for_runner(runner, version=version, store_url=store_url, public_key=public_key)
+    app = create_engine_app(runner, updater, config, control_token)
+    if control_token is None:
+        log.warning("engine.control_closed", reason="no serving.fleet.control_token: every control call is refused")
     if config.reserve_update_memory and retain_freed_memory():
         touched = app.state.weights_thread.submit(reserve, updater.state.nbytes).result()
         log.info("engine.update_memory_reserved", mb=touched >> 20)

@@ -216,7 +216,7 @@ async def check_fleet(
     targets = {p: accepted_versions(engine, p) for p in {r.pool for r in replicas}}
 
     async def one(rep: Replica) -> tuple[Replica, str | None, str | None, bool]:
-        async with EngineClient(rep.url, timeout_s=config.health_timeout_s) as client:
+        async with EngineClient(rep.url, timeout_s=config.health_timeout_s, token=config.control_token) as client:
             try:
                 await client.health(timeout_s=config.health_timeout_s)
                 info = await client.weight_info(timeout_s=config.health_timeout_s)
@@ -301,7 +301,7 @@ async def reconcile(
         kind = "snapshot" if rep.health == "hash_mismatch" else "auto"
         set_state(engine, rep.id, "updating")
         try:
-            async with EngineClient(rep.url) as client:
+            async with EngineClient(rep.url, token=config.control_token) as client:
                 pulled, _ = await update_replica(
                     client,
                     target.version,

@@ -1,7 +1,9 @@
 """Start CPU engine replicas as separate processes (``undertow engine serve``) and wait for them.
 
 Used by the tests, the benchmark and the demo's stack launcher; each replica loads a checkpoint
-directory and pulls updates from a weight store.
+directory and pulls updates from a weight store. A replica inherits this process's ``UNDERTOW_*``
+environment; ``control_token`` and ``public_key``, when given, override the settings it would read
+there (``serving.fleet.control_token``, ``policy.weights.public_key``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ class EngineProcess:
     port: int = 0
     log_path: Path | None = None
     threads: int = 1
+    control_token: str | None = None
+    """The token its control routes require."""
+    public_key: Path | None = None
+    """The public keys the versions it pulls must be signed by."""
     process: subprocess.Popen[bytes] | None = field(default=None, init=False)
 
     @property
@@ -59,6 +65,10 @@ class EngineProcess:
             "UNDERTOW_SERVING__ENGINE__THREADS": str(self.threads),
             "OMP_NUM_THREADS": str(self.threads),
         }
+        if self.control_token is not None:
+            env["UNDERTOW_SERVING__FLEET__CONTROL_TOKEN"] = self.control_token
+        if self.public_key is not None:
+            env["UNDERTOW_POLICY__WEIGHTS__PUBLIC_KEY"] = str(Path(self.public_key).resolve())
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self.process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         return self
@@ -98,13 +108,26 @@ class EngineProcess:
 
 
 def start_engines(
-    checkpoint: Path, n: int, *, store: str | Path | None, version: str = "v0", log_dir: Path | None = None
+    checkpoint: Path,
+    n: int,
+    *,
+    store: str | Path | None,
+    version: str = "v0",
+    log_dir: Path | None = None,
+    control_token: str | None = None,
+    public_key: Path | None = None,
 ) -> list[EngineProcess]:
     """Start ``n`` replicas in parallel (on ``n`` distinct ports) and wait for all of them."""
     ports = free_ports(n)
     procs = [
         EngineProcess(
-            checkpoint, version, store, port=ports[i], log_path=(log_dir / f"engine-{i}.log") if log_dir else None
+            checkpoint,
+            version,
+            store,
+            port=ports[i],
+            log_path=(log_dir / f"engine-{i}.log") if log_dir else None,
+            control_token=control_token,
+            public_key=public_key,
         ).start()
         for i in range(n)
     ]

@@ -17,8 +17,15 @@ updates the shadow. A corrupt delta or a hash mismatch raises before ``load_weig
 the worker keeps serving the old weights.
 
 Configuration comes from the environment of ``vllm serve`` (workers inherit it):
-``UNDERTOW_WEIGHTS_STORE`` (the weight store) and ``UNDERTOW_WEIGHTS_VERSION`` (the version of
-the checkpoint being served, default ``v0``).
+``UNDERTOW_WEIGHTS_STORE`` (the weight store), ``UNDERTOW_WEIGHTS_VERSION`` (the version of
+the checkpoint being served, default ``v0``) and ``UNDERTOW_WEIGHTS_PUBLIC_KEY`` (the file of public
+keys versions must be signed by: without it every version is refused, see
+:mod:`policy.weights.signing`).
+
+The dev-mode routes this extension is reached through are control routes: start the server with
+``--middleware serving.engine_auth.ControlAuth`` and ``UNDERTOW_SERVING__FLEET__CONTROL_TOKEN`` so
+they need the fleet's control token, and keep its port on a network only the deployer and the
+gateway reach (``deploy/docker-compose.yml``).
 
 Left out: the shadow costs host memory equal to the checkpoint per worker; a sharded shadow
 (each tensor-parallel rank keeping only its slice) would need per-shard hashes in the store.
@@ -63,10 +70,11 @@ class UndertowWorkerExtension:
     def _undertow_updater(self) -> WeightUpdater:
         if self._undertow is None:
             store, version = os.environ.get("UNDERTOW_WEIGHTS_STORE"), os.environ.get("UNDERTOW_WEIGHTS_VERSION", "v0")
+            public_key = os.environ.get("UNDERTOW_WEIGHTS_PUBLIC_KEY")
             if store:  # the store names tensors as the checkpoint does, in the dtype the fleet serves
-                from policy.weights import WeightStore
+                from policy.weights import Keyring, WeightStore
 
-                shadow = WeightStore(store).state_dict(version)
+                shadow = WeightStore(store, keyring=Keyring(public_key)).state_dict(version)
             else:
                 shadow = load_hf_tensors(self._undertow_checkpoint())
             model = self.model_runner.model  # type: ignore[attr-defined]
@@ -75,7 +83,9 @@ class UndertowWorkerExtension:
                 with torch.no_grad():
                     model.load_weights(weights=list(new.items()))
 
-            self._undertow = WeightUpdater(DictParams(shadow, on_write=load), version=version, store_url=store)
+            self._undertow = WeightUpdater(
+                DictParams(shadow, on_write=load), version=version, store_url=store, public_key=public_key
+            )
         return self._undertow
 
     def undertow_weight_info(self) -> dict[str, Any]:

@@ -9,14 +9,17 @@ per-tensor checksums, established once when the engine loads a version (every te
 and carried forward by every update (the checksums of what it wrote, which it verified). An
 update is two calls:
 
-1. ``prefetch`` (serving continues): plan the cheapest path in the store from the held version
+1. ``prefetch`` (serving continues): check that the target version is signed by a key the replica
+   trusts (its ``public_key`` file; an unsigned or foreign-signed version is refused with the reason,
+   and nothing is staged), plan the cheapest path in the store from the held version
    (:func:`policy.weights.chain.plan`: a chain of deltas, or a full snapshot) and stage it.
    A delta's base checksums are checked against the verified state (no re-hashing of the held
    weights); each payload is checked against its checksum and decoded into the changed
    positions and their new bits; the target tensor (held bits with the changes written) is
    built and hashed against the target checksum. A snapshot is read tensor by tensor and each
    tensor hashed. An artifact that fails is excluded and another path is planned
-   (``kind="delta"`` never falls back to a snapshot: it refuses).
+   (``kind="delta"`` never falls back to a snapshot: it refuses). The replica's store checks the
+   signature of every manifest it reads and the SHA-256 digest of every payload and snapshot tensor.
 2. ``apply`` (engine paused): the version hash of the verified table with the staged
    checksums must equal the expected hash, and the live tensors must not have been written
    since the prefetch, else the update is refused and nothing was written; then a delta's
@@ -41,13 +44,14 @@ element): rolling it back goes through the store.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import structlog
 import torch
 
-from policy.weights import DeltaReader, WeightsError, WeightStore, plan
+from policy.weights import DeltaReader, Keyring, WeightsError, WeightStore, plan
 from policy.weights.changes import checksum_changed, materialize
 from policy.weights.format import Manifest, TensorMeta, checksum, from_words, to_words, version_hash
 from serving.params import DictParams, LiveParams, ModelParams, Tensors, scatter_into
@@ -64,19 +68,22 @@ log = structlog.get_logger(__name__)
 
 
 class WeightUpdater:
-    """Pull, verify and switch the weights of one replica (see module docstring)."""
+    """Pull, verify and switch the weights of one replica (see module docstring).
 
-    def __init__(self, live: LiveParams, *, version: str, store_url: str | None) -> None:
+    ``public_key``: the file of public keys versions must be signed by (None: every version is refused).
+    """
+
+    def __init__(
+        self, live: LiveParams, *, version: str, store_url: str | None, public_key: str | Path | None = None
+    ) -> None:
         self.live = live
         self.version = version
-        self.store = WeightStore(store_url) if store_url else None
+        self.store = WeightStore(store_url, keyring=Keyring(public_key)) if store_url else None
         self.staged: Staged | None = None
         self.undo: Undo | None = None
         self._unsettled: Callable[[], None] | None = None
         """The held-bits writes of the last apply, left for after the pause (see :meth:`settle`)."""
         manifest = self._stored(version)
-        if manifest is None and self.store is not None:
-            log.warning("weights.version_not_in_store", version=version)
         self.state = VerifiedState(live, manifest, self.store)
 
     @property
@@ -91,21 +98,28 @@ class WeightUpdater:
         return self.state.hash
 
     @classmethod
-    def for_runner(cls, runner: ModelRunner, *, version: str, store_url: str | None) -> WeightUpdater:
+    def for_runner(
+        cls, runner: ModelRunner, *, version: str, store_url: str | None, public_key: str | Path | None = None
+    ) -> WeightUpdater:
         """An updater writing into the CPU engine's live parameters (in place, under its lock)."""
-        return cls(ModelParams(runner.model, runner.checkpoint, runner.lock), version=version, store_url=store_url)
+        params = ModelParams(runner.model, runner.checkpoint, runner.lock)
+        return cls(params, version=version, store_url=store_url, public_key=public_key)
 
     @classmethod
-    def for_dict(cls, tensors: Tensors, *, version: str, store_url: str | None) -> WeightUpdater:
+    def for_dict(
+        cls, tensors: Tensors, *, version: str, store_url: str | None, public_key: str | Path | None = None
+    ) -> WeightUpdater:
         """An updater over a plain dict of tensors (tests, tools)."""
-        return cls(DictParams(tensors), version=version, store_url=store_url)
+        return cls(DictParams(tensors), version=version, store_url=store_url, public_key=public_key)
 
     def _stored(self, version: str) -> Manifest | None:
+        """The held version's verified manifest, or None (the state is then the loaded checkpoint's own)."""
         if self.store is None:
             return None
         try:
             return self.store.manifest(version)
-        except WeightsError:
+        except WeightsError as err:
+            log.warning("weights.held_version_not_verified", version=version, error=str(err))
             return None
 
     @staticmethod
@@ -215,6 +229,10 @@ class WeightUpdater:
 
     def _pull(self, store: WeightStore, req: PrefetchRequest, timer: Timer) -> Staged:
         with timer("plan"):
+            try:
+                store.manifest(req.to_version)  # its signature first: a refused version stages nothing
+            except WeightsError as exc:
+                raise ValueError(f"refusing version {req.to_version!r}: {exc}") from exc
             manifests = store.heads()
         known = {m.version for m in manifests}
         held = self.version if self.version in known else None

@@ -8,6 +8,10 @@ the store, the CLI, the serving layer's delta deployment).
 Per-tensor checksums are XXH3-128 of the tensor's raw little-endian bytes (fast enough to check
 every tensor on every apply); the whole-version hash is BLAKE2b over the canonical list of
 ``(name, dtype, shape, checksum)``, so two versions with the same hash hold the same bits.
+
+A manifest is signed by the trainer (:mod:`policy.weights.signing`) and carries SHA-256 digests of
+what a replica reads (each delta payload, each snapshot tensor): XXH3 detects accidents, not a
+forger, so the signature vouches for the bits through those digests.
 """
 
 from __future__ import annotations
@@ -17,18 +21,23 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field
 
+if TYPE_CHECKING:
+    from policy.weights.signing import Keyring
+
 FORMAT = "undertow.weights/1"
 MANIFEST = "manifest.json"
 FULL_FILE = "full.safetensors"
 DELTA_FILE = "delta.bin"
 VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+MANIFEST_MAX_BYTES = 64 << 20
+"""A manifest larger than this is refused unread (one of a 40,000-tensor model is about 30 MB)."""
 
 
 class WeightsError(Exception):
@@ -114,6 +123,13 @@ def checksum(data: bytes | memoryview | np.ndarray) -> str:
     )
 
 
+def digest(data: bytes | memoryview | np.ndarray) -> str:
+    """SHA-256 hex digest of raw bytes: what a signed manifest vouches for a payload or a tensor with."""
+    return hashlib.sha256(
+        np.ascontiguousarray(data).view(np.uint8).data if isinstance(data, np.ndarray) else data
+    ).hexdigest()
+
+
 class TensorMeta(BaseModel):
     """One tensor of a version: what its bits are."""
 
@@ -150,6 +166,8 @@ class DeltaTensor(BaseModel):
     """XXH3-128 of the payload bytes."""
     base_checksum: str | None
     """Checksum of the base tensor the XOR is taken against (None: a new tensor, coded in full)."""
+    sha256: str | None = None
+    """SHA-256 of the payload bytes (what the signature vouches for them with)."""
 
 
 class DeltaArtifact(BaseModel):
@@ -180,6 +198,21 @@ class FullArtifact(BaseModel):
     """File name inside the version directory."""
     bytes: int
     """Size of the file."""
+    sha256: dict[str, str] = {}
+    """SHA-256 of each tensor's raw bytes in the snapshot (what the signature vouches for them with)."""
+
+
+class ManifestSignature(BaseModel):
+    """The trainer's signature over the rest of the manifest (:func:`policy.weights.signing.canonical`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    alg: Literal["ed25519"] = "ed25519"
+    """Signature algorithm."""
+    key_id: str = Field(pattern=r"^[0-9a-f]{16}$")
+    """First 16 hex digits of the SHA-256 of the signer's raw public key."""
+    value: str = Field(max_length=200)
+    """Base64 of the 64-byte signature."""
 
 
 class Manifest(BaseModel):
@@ -207,6 +240,8 @@ class Manifest(BaseModel):
     """The delta from ``parent``, when this version has one."""
     meta: dict[str, Any] = {}
     """Free-form provenance (trainer step, source checkpoint)."""
+    signature: ManifestSignature | None = None
+    """The trainer's signature; replicas refuse a version without a valid one from a key they trust."""
 
     def total_bytes(self) -> int:
         """Size of the version's raw tensors."""
@@ -232,10 +267,24 @@ class VersionHead:
     delta: ArtifactHead | None
 
 
-def parse_head(raw: bytes, version: str) -> VersionHead:
-    """The planning fields of a manifest's JSON; raises :class:`WeightsError` when they are missing."""
+def manifest_json(raw: bytes, version: str) -> dict[str, Any]:
+    """A manifest's bytes as a JSON object; raises :class:`WeightsError` for anything else (oversized,
+    not JSON, nested beyond the parser)."""
+    if len(raw) > MANIFEST_MAX_BYTES:
+        raise WeightsError(f"manifest of version {version} is over {MANIFEST_MAX_BYTES} bytes; refusing to parse it")
     try:
         data = json.loads(raw)
+    except (ValueError, RecursionError) as err:
+        raise WeightsError(f"manifest of version {version} is not valid JSON: {str(err)[:200]}") from err
+    if not isinstance(data, dict):
+        raise WeightsError(f"manifest of version {version} is not a JSON object")
+    return data
+
+
+def parse_head(raw: bytes, version: str) -> VersionHead:
+    """The planning fields of a manifest's JSON; raises :class:`WeightsError` when they are missing."""
+    data = manifest_json(raw, version)
+    try:
         full, delta = data.get("full"), data.get("delta")
         head = VersionHead(
             version=str(data["version"]),
@@ -256,17 +305,33 @@ def version_hash(tensors: dict[str, TensorMeta]) -> str:
     return hashlib.blake2b(json.dumps(table, separators=(",", ":")).encode(), digest_size=32).hexdigest()
 
 
-def parse_manifest(raw: bytes, version: str) -> Manifest:
-    """Validate a manifest's JSON, its version id and its whole-version hash."""
+def parse_manifest(raw: bytes, version: str, keyring: Keyring | None = None) -> Manifest:
+    """Validate a manifest's JSON, its version id and its whole-version hash; with ``keyring``, first its
+    signature (the object validated is the one whose signature was checked), then that it carries the
+    digests of everything a replica reads."""
+    data = manifest_json(raw, version)
+    if keyring is not None:
+        keyring.verify(data, version)
     try:
-        manifest = Manifest.model_validate_json(raw)
-    except ValueError as err:
-        raise WeightsError(f"manifest of version {version} is not valid: {err}") from err
+        manifest = Manifest.model_validate(data)
+    except (ValueError, RecursionError) as err:
+        raise WeightsError(f"manifest of version {version} is not valid: {str(err)[:500]}") from err
     if manifest.version != version:
         raise WeightsError(f"manifest in directory {version} names version {manifest.version}; the store is tampered")
     if version_hash(manifest.tensors) != manifest.version_hash:
         raise WeightsError(f"manifest of version {version} fails its whole-version hash; the store is tampered")
+    if keyring is not None and not has_digests(manifest):
+        raise WeightsError(
+            f"version {version} is signed but lacks the SHA-256 digests of its artifacts; publish it again"
+        )
     return manifest
+
+
+def has_digests(manifest: Manifest) -> bool:
+    """Whether every payload and snapshot tensor a replica may read has its SHA-256 in the manifest."""
+    full_ok = manifest.full is None or set(manifest.full.sha256) >= set(manifest.tensors)
+    delta_ok = manifest.delta is None or all(entry.sha256 for entry in manifest.delta.tensors.values())
+    return full_ok and delta_ok
 
 
 def check_version_id(version: str) -> str:

@@ -1,6 +1,7 @@
 """Readers of one stored version's artifacts: a delta's per-tensor payloads and a full snapshot's
-tensors, each verified against its checksum before it is returned (producer of the files:
-:class:`policy.weights.store.WeightStore`; consumers: the serving layer's updater, the store
+tensors, each verified against its checksum before it is returned, and, in a store that verifies
+signatures (a replica's), against the SHA-256 digest the signed manifest records (producer of the
+files: :class:`policy.weights.store.WeightStore`; consumers: the serving layer's updater, the store
 itself when it rebuilds a version along its chain).
 """
 
@@ -12,7 +13,7 @@ import numpy as np
 
 from policy.weights.changes import Changes
 from policy.weights.codec import decode_changes, decode_tensor
-from policy.weights.format import DeltaArtifact, Manifest, WeightsError, checksum, word_dtype
+from policy.weights.format import DeltaArtifact, Manifest, WeightsError, checksum, digest, word_dtype
 from policy.weights.tensors import read_header
 
 if TYPE_CHECKING:
@@ -64,7 +65,9 @@ class DeltaReader:
             raise WeightsError(
                 f"delta of {self.manifest.version} is truncated at tensor {name}; refetch or use a snapshot"
             )
-        if checksum(data) != entry.payload_checksum:
+        if checksum(data) != entry.payload_checksum or (
+            self.store.keyring is not None and digest(data) != entry.sha256
+        ):
             raise WeightsError(
                 f"delta of {self.manifest.version} is corrupt at tensor {name}; refetch or use a snapshot"
             )
@@ -102,6 +105,7 @@ class FullReader:
             raise WeightsError(f"version {manifest.version} has no full snapshot")
         self.store = store
         self.manifest = manifest
+        self.full = manifest.full
         self.path = store.path(manifest.version, manifest.full.file)
         self.index = read_header(store.fs, self.path)
         self._handle: Any = None
@@ -121,7 +125,11 @@ class FullReader:
         self._handle.seek(start)
         words = np.empty(meta.numel(), dtype=word_dtype(dtype))
         got = self._handle.readinto(words.view(np.uint8).data) if words.nbytes else 0
-        if got != end - start or checksum(words) != meta.checksum:
+        if (
+            got != end - start
+            or checksum(words) != meta.checksum
+            or (self.store.keyring is not None and digest(words) != self.full.sha256.get(name))
+        ):
             raise WeightsError(
                 f"snapshot of {self.manifest.version} is corrupt at tensor {name}; restore or refetch it"
             )

@@ -6,6 +6,10 @@ Layout under the store root::
     versions/<version>/delta.bin          XOR delta from the parent (every version with a parent)
     versions/<version>/manifest.json      written last, by atomic rename: the version is complete
 
+Every manifest is signed with the trainer's key (``signer``, :mod:`policy.weights.signing`); a store
+opened with a ``keyring`` (a replica's) verifies the signature of every manifest it reads and the
+SHA-256 digests of every payload and snapshot tensor, and refuses what fails.
+
 Writing streams tensor by tensor: the parent's tensors are rebuilt one at a time from the
 nearest full snapshot and the deltas after it, so memory stays bounded by the largest tensor.
 Producer: the trainer (``put``); consumers: the serving layer (``open_delta``/``open_full``, in
@@ -37,6 +41,7 @@ from policy.weights.format import (
     DELTA_FILE,
     FULL_FILE,
     MANIFEST,
+    MANIFEST_MAX_BYTES,
     DeltaArtifact,
     DeltaTensor,
     FullArtifact,
@@ -46,6 +51,7 @@ from policy.weights.format import (
     WeightsError,
     check_version_id,
     checksum,
+    digest,
     dtype_name,
     from_words,
     magnitude_mask,
@@ -55,6 +61,7 @@ from policy.weights.format import (
     version_hash,
 )
 from policy.weights.readers import DeltaReader, FullReader
+from policy.weights.signing import Keyring, SigningKey
 from policy.weights.tensors import TensorSource, cast_for_serving, source_from, write_safetensors
 
 log = structlog.get_logger(__name__)
@@ -64,16 +71,30 @@ _PARSED_MAX = 256
 
 
 class WeightStore:
-    """A store of policy versions at a local path or any fsspec URL."""
+    """A store of policy versions at a local path or any fsspec URL.
 
-    def __init__(self, url: str | Path, config: WeightsConfig | None = None):
+    ``signer``: the key :meth:`put` signs manifests with (the trainer's; without one, ``put`` refuses).
+    ``keyring``: the public keys every manifest read must be signed by (a replica's; None: not checked).
+    """
+
+    def __init__(
+        self,
+        url: str | Path,
+        config: WeightsConfig | None = None,
+        *,
+        signer: SigningKey | None = None,
+        keyring: Keyring | None = None,
+    ):
         self.config = config or WeightsConfig()
         self.url = str(url)
+        self.signer = signer
+        self.keyring = keyring
         self.fs, root = fsspec.core.url_to_fs(self.url)
         self.root = root.rstrip("/") or root  # "http://host:port/" and "/" keep one separator
-        self._parsed: dict[tuple[str, str], Manifest] = {}
-        """Validated manifests by (version, checksum of their bytes): a manifest is read on every
-        call, parsed (and its whole-version hash checked) only when its bytes are new. Shared: do not modify."""
+        self._parsed: dict[tuple[str, str, object], Manifest] = {}
+        """Validated manifests by (version, checksum of their bytes, trusted keys): a manifest is read on every
+        call, parsed (its signature and whole-version hash checked) only when its bytes or the keys are new.
+        Shared: do not modify."""
         self._heads: dict[str, VersionHead] = {}
         """Planning heads by version id: a complete version never changes (its manifest is written
         last, once), so each is read once; ids gone from the listing are forgotten."""
@@ -100,20 +121,21 @@ class WeightStore:
         return self._validated(version, raw)
 
     def _validated(self, version: str, raw: bytes) -> Manifest:
-        """Parse and check a manifest's bytes (once per content)."""
-        key = (version, checksum(raw))
+        """Parse and check a manifest's bytes (once per content and set of trusted keys)."""
+        key = (version, checksum(raw), self.keyring.stamp if self.keyring is not None else None)
         manifest = self._parsed.get(key)
         if manifest is None:
             if len(self._parsed) >= _PARSED_MAX:
                 self._parsed.clear()
-            manifest = self._parsed[key] = parse_manifest(raw, version)
+            manifest = self._parsed[key] = parse_manifest(raw, version, self.keyring)
         return manifest
 
     def _manifest_bytes(self, version: str) -> bytes | None:
-        """A version's manifest, or None while it has none (one read: no existence check first)."""
+        """A version's manifest (at most one byte past the size limit, which parsing refuses), or None while
+        it has none (one read: no existence check first)."""
         try:
             with self.fs.open(self.path(version, MANIFEST), "rb") as handle:
-                raw: bytes = handle.read()
+                raw: bytes = handle.read(MANIFEST_MAX_BYTES + 1)
         except FileNotFoundError:
             return None
         return raw
@@ -222,7 +244,8 @@ class WeightStore:
         meta: dict[str, Any] | None = None,
     ) -> Manifest:
         """Add a version: a delta from ``parent`` (default: the latest version) and, every
-        ``snapshot_every`` versions or when ``full`` is true, a full snapshot. Returns its manifest."""
+        ``snapshot_every`` versions or when ``full`` is true, a full snapshot. Returns its (signed) manifest."""
+        self._signer().key()  # no key, or an unreadable one, fails here: before any file is written
         src = source_from(source)
         existing = self.manifests()
         parent_id = (existing[-1].version if existing else None) if parent == "latest" else parent
@@ -245,6 +268,7 @@ class WeightStore:
         chain = self.chain(parent_manifest.version) if parent_manifest else []
         tensors: dict[str, TensorMeta] = {}
         entries: dict[str, DeltaTensor] = {}
+        digests: dict[str, str] = {}
         level = self.config.zstd_level
         delta_handle = self.fs.open(self.path(version, DELTA_FILE), "wb") if parent_manifest else None
         offset = 0
@@ -255,6 +279,8 @@ class WeightStore:
             target = to_words(tensor)
             dtype = dtype_name(tensor.dtype)
             tensors[name] = TensorMeta(dtype=dtype, shape=list(tensor.shape), checksum=checksum(target))
+            if full:
+                digests[name] = digest(target)
             if parent_manifest is not None and delta_handle is not None:
                 old = parent_manifest.tensors.get(name)
                 same_layout = old is not None and old.dtype == dtype and old.shape == list(tensor.shape)
@@ -267,6 +293,7 @@ class WeightStore:
                     offset=offset,
                     length=len(encoded.payload),
                     payload_checksum=checksum(encoded.payload),
+                    sha256=digest(encoded.payload),
                     base_checksum=old.checksum if same_layout and old is not None else None,
                 )
                 offset += len(encoded.payload)
@@ -278,7 +305,7 @@ class WeightStore:
             if full:
                 layout = {name: self._serving_layout(src, name) for name in src.names()}
                 size = write_safetensors(self.fs, self.path(version, FULL_FILE), layout, words_of, {"version": version})
-                full_artifact = FullArtifact(bytes=size)
+                full_artifact = FullArtifact(bytes=size, sha256=digests)
             else:
                 for name in src.names():
                     words_of(name)
@@ -305,7 +332,7 @@ class WeightStore:
             delta=delta_artifact,
             meta=meta or {},
         )
-        self._write_manifest(manifest)
+        manifest = self._write_manifest(manifest)
         log.info(
             "weights.put",
             version=version,
@@ -327,10 +354,53 @@ class WeightStore:
     def _deltas_since_snapshot(self, manifest: Manifest) -> int:
         return len(self.chain(manifest.version)) - 1
 
-    def _write_manifest(self, manifest: Manifest) -> None:
-        """Write the manifest last and atomically: a temporary name, then rename (one PUT on object stores)."""
+    def sign(self, version: str, *, trusted: Keyring | None = None) -> Manifest:
+        """Sign a complete version again with this store's key: after a key rotation, or to vouch for a
+        version nobody signed. Every artifact is read and checked first (a snapshot tensor by tensor, a
+        delta by rebuilding each tensor along its chain) and the SHA-256 digests are taken of what was
+        read; a digest the manifest already records must match. With ``trusted``, the version's current
+        signature must verify against those keys, so a manifest changed since it was signed is never
+        signed again; without, the caller vouches for the version."""
+        signer = self._signer()
+        raw = self._manifest_bytes(version)
+        if raw is None:
+            raise WeightsError(f"version {version} is not in the store (or its write never completed)")
+        manifest = parse_manifest(raw, version, trusted)
+        full, delta = manifest.full, manifest.delta
+        if full is not None:
+            with FullReader(self, manifest) as reader:
+                sums = {name: digest(reader.words(name)) for name in manifest.tensors}
+            _same_digests(version, full.sha256, sums)
+            full = full.model_copy(update={"sha256": sums})
+        if delta is not None:
+            chain = [*self.chain(delta.base), manifest]
+            for name in manifest.tensors:
+                self.words(version, name, chain)
+            with DeltaReader(self, manifest).load() as delta_reader:
+                payloads = {name: digest(delta_reader.payload(name)) for name in delta.tensors}
+            _same_digests(version, {n: e.sha256 for n, e in delta.tensors.items() if e.sha256}, payloads)
+            entries = {n: e.model_copy(update={"sha256": payloads[n]}) for n, e in delta.tensors.items()}
+            delta = delta.model_copy(update={"tensors": entries})
+        signed = self._write_manifest(manifest.model_copy(update={"full": full, "delta": delta}))
+        log.info("weights.signed", version=version, key_id=signer.key_id)
+        return signed
+
+    def _signer(self) -> SigningKey:
+        if self.signer is None:
+            raise WeightsError(
+                "this store has no signing key and replicas refuse unsigned versions: open it with open_store "
+                "(the trainer's key, policy.weights.signing_key) or pass signer=SigningKey(path)"
+            )
+        return self.signer
+
+    def _write_manifest(self, manifest: Manifest) -> Manifest:
+        """Sign the manifest and write it last and atomically: a temporary name, then rename (one PUT on object
+        stores). Returns the signed manifest."""
         final = self.path(manifest.version, MANIFEST)
-        raw = json.dumps(manifest.model_dump(mode="json"), indent=1).encode()
+        data = manifest.model_dump(mode="json", exclude={"signature"})
+        data["signature"] = self._signer().sign(data)
+        signed = Manifest.model_validate(data)
+        raw = json.dumps(data, indent=1).encode()
         if self.is_local:
             tmp = f"{final}.{uuid.uuid4().hex}.tmp"
             with self.fs.open(tmp, "wb") as handle:
@@ -339,6 +409,7 @@ class WeightStore:
         else:
             with self.fs.open(final, "wb") as handle:
                 handle.write(raw)
+        return signed
 
     def delete(self, version: str) -> None:
         """Remove a version: its manifest first (it stops being complete), then its files."""
@@ -357,6 +428,20 @@ class WeightStore:
         return newest
 
 
+def _same_digests(version: str, recorded: dict[str, str], computed: dict[str, str]) -> None:
+    """Refuse to sign again a version whose artifact no longer has the digest its manifest records."""
+    changed = sorted(name for name, value in recorded.items() if computed.get(name) != value)
+    if changed:
+        raise WeightsError(
+            f"version {version} changed after it was signed (the SHA-256 of {changed[0]} differs); not signing it"
+        )
+
+
 def open_store(config: PolicyConfig, home: Path) -> WeightStore:
-    """The weight store ``config.weights_url`` points at (resolved against ``home``), with ``config.weights``."""
-    return WeightStore(resolve_store_url(config.weights_url, home), config.weights)
+    """The weight store ``config.weights_url`` points at (resolved against ``home``), with ``config.weights``,
+    signing with the trainer's key (``weights.signing_key`` under ``home``, created on the first put)."""
+    return WeightStore(
+        resolve_store_url(config.weights_url, home),
+        config.weights,
+        signer=SigningKey.from_config(config.weights, home),
+    )

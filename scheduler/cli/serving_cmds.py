@@ -22,7 +22,8 @@ def engine_serve(
     port: Annotated[int | None, typer.Option(help="Port to listen on.")] = None,
     routed_experts: Annotated[bool | None, typer.Option(help="Return routed experts with each choice.")] = None,
 ) -> None:
-    """Serve the engine contract over HTTP with the torch policy."""
+    """Serve the engine contract over HTTP with the torch policy (control routes need
+    serving.fleet.control_token; pulled versions must be signed by a key in policy.weights.public_key)."""
     from scheduler.cli.common import setup
     from serving.engine import serve
 
@@ -34,7 +35,8 @@ def engine_serve(
         cfg.port = port
     if routed_experts is not None:
         cfg.enable_return_routed_experts = routed_experts
-    serve(checkpoint, version, store, cfg)
+    public_key = settings.home / settings.policy.weights.public_key
+    serve(checkpoint, version, store, cfg, public_key=public_key, control_token=settings.serving.fleet.control_token)
 
 
 @fleet_app.command("register")

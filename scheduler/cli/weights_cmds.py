@@ -1,4 +1,5 @@
-"""``undertow weights``: list, diff, verify, put, garbage-collect and serve the versioned weight store."""
+"""``undertow weights``: list, diff, verify, put, garbage-collect and serve the versioned weight store,
+and the key that signs its versions (``keygen``, ``sign``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 if TYPE_CHECKING:
-    from policy.weights import WeightStore
+    from policy.weights import Keyring, WeightStore
     from scheduler.settings import Settings
 
 weights_app = typer.Typer(help="Versioned policy weights: snapshots and bit-exact deltas.", no_args_is_help=True)
@@ -19,6 +20,13 @@ def open_store(settings: Settings) -> WeightStore:
     from policy.weights import open_store
 
     return open_store(settings.policy, settings.home)
+
+
+def keyring(settings: Settings) -> Keyring:
+    """The public keys versions are verified with (``policy.weights.public_key`` under the home)."""
+    from policy.weights import Keyring
+
+    return Keyring.from_config(settings.policy.weights, settings.home)
 
 
 def _in_use(settings: Settings) -> set[str]:
@@ -49,6 +57,7 @@ def list_versions(as_json: bool = typer.Option(False, "--json", help="Print one 
             "full_bytes": m.full.bytes if m.full else None,
             "delta_bytes": m.delta.bytes if m.delta else None,
             "version_hash": m.version_hash,
+            "signed_by": m.signature.key_id if m.signature else None,
         }
         for m in store.manifests()
     ]
@@ -123,14 +132,18 @@ def verify(
     version: str = typer.Argument(..., help="Version to verify (every artifact, every tensor)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
-    """Rebuild a version from each of its artifacts and check every checksum; exit 1 on any failure."""
-    from policy.weights import WeightsError
+    """Check a version as a replica would (its signature against policy.weights.public_key, then every
+    artifact rebuilt and every checksum and digest checked); exit 1 on any failure."""
+    from policy.weights import WeightsError, WeightStore, resolve_store_url
     from scheduler.cli.common import print_json, setup
 
-    store = open_store(setup())
+    settings = setup()
+    url = resolve_store_url(settings.policy.weights_url, settings.home)
+    store = WeightStore(url, settings.policy.weights, keyring=keyring(settings))
     result: dict[str, object] = {"version": version, "ok": True, "checked": []}
     try:
         manifest = store.manifest(version)
+        result["signed_by"] = manifest.signature.key_id if manifest.signature else None
         checked: list[str] = []
         if manifest.full:
             reader = store.open_full(version)
@@ -171,6 +184,79 @@ def put(
         "delta_bytes": manifest.delta.bytes if manifest.delta else None,
     }
     print_json(out) if as_json else typer.echo(str(out))
+
+
+@weights_app.command("keygen")
+def keygen(
+    rotate: bool = typer.Option(
+        False, "--rotate", help="Replace the existing key with a new one (its public key is appended, not replaced)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Create the key that signs versions (policy.weights.signing_key, mode 0600) and append its public key to
+    policy.weights.public_key, the file to give replicas. Without --rotate an existing key is kept."""
+    from policy.weights import SigningKey
+    from policy.weights.signing import public_pem
+    from scheduler.cli.common import print_json, setup
+
+    settings = setup()
+    signer = SigningKey.from_config(settings.policy.weights, settings.home)
+    created = rotate or not signer.exists()
+    key = signer.create(replace=True) if rotate else signer.key()
+    signer.publish()
+    out = {
+        "key_id": signer.key_id,
+        "created": created,
+        "signing_key": str(signer.path),
+        "public_key_file": str(signer.public_path),
+        "public_key": public_pem(key.public_key()).decode(),
+        "trusted": sorted(keyring(settings).trusted()),
+    }
+    if as_json:
+        print_json(out)
+        return
+    typer.echo(f"{'created' if created else 'kept'} signing key {out['key_id']} at {out['signing_key']}")
+    typer.echo(f"replicas trust {out['trusted']} from {out['public_key_file']}; its public key:")
+    typer.echo(str(out["public_key"]), nl=False)
+
+
+@weights_app.command("sign")
+def sign(
+    versions: list[str] = typer.Argument(None, help="Versions to sign again (default with --all: every one)."),
+    all_versions: bool = typer.Option(False, "--all", help="Every complete version of the store."),
+    force: bool = typer.Option(
+        False, "--force", help="Vouch for versions whose signature the trusted keys do not verify (unsigned ones)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Sign versions again with the current key (after `keygen --rotate`). Each is checked first: its current
+    signature against policy.weights.public_key (unless --force), every artifact against its checksums."""
+    from policy.weights import WeightsError
+    from scheduler.cli.common import print_json, setup
+
+    settings = setup()
+    store = open_store(settings)
+    names = [head.version for head in store.heads()] if all_versions else list(versions or [])
+    if not names:
+        raise typer.BadParameter("name the versions to sign, or pass --all")
+    trusted = None if force else keyring(settings)
+    signed: list[str] = []
+    refused: dict[str, str] = {}
+    for name in names:
+        try:
+            store.sign(name, trusted=trusted)
+            signed.append(name)
+        except WeightsError as err:
+            refused[name] = str(err)
+    out = {"key_id": store.signer.key_id if store.signer else None, "signed": signed, "refused": refused}
+    if as_json:
+        print_json(out)
+    else:
+        typer.echo(f"signed {signed} with key {out['key_id']}")
+        for name, why in refused.items():
+            typer.echo(f"refused {name}: {why}", err=True)
+    if refused:
+        raise typer.Exit(1)
 
 
 @weights_app.command("gc")

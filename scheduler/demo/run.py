@@ -124,6 +124,9 @@ def _env(home: Path, opts: DemoOptions, speedup: float) -> dict[str, str]:
         # what they write, and ingest refuses anything unsigned
         "UNDERTOW_SERVING__GATEWAY__METRICS_KEY": KEY_PREFIX + new_secret(),
         "UNDERTOW_INGEST__SIGNING_KEYS": json.dumps({"gateway": new_secret(), "dlq-replay": new_secret()}),
+        # the engines' control routes (pause, sleep, weight RPCs) answer only the deployer, health checks and
+        # borrowing, which send this token; the weights are signed with a key made in this fresh home
+        "UNDERTOW_SERVING__FLEET__CONTROL_TOKEN": new_secret(),
         # simulated time runs `speedup` times faster than the wall clock, and so do the users
         "UNDERTOW_SERVING__GATEWAY__USER_RATE_PER_S": f"{2.0 * max(1.0, speedup):.3f}",
         "UNDERTOW_SERVING__GATEWAY__USER_SIGNAL_RATE_PER_S": f"{max(1.0, speedup):.3f}",

@@ -87,6 +87,7 @@ def registry_fleet(settings: Settings) -> RegistryFleet:
         pause_timeout_s=settings.serving.deploy.pause_timeout_s,
         clock_speedup=settings.scheduler.clock_speedup,
         latency_slo_s=settings.scheduler.latency_slo_s,
+        control_token=settings.serving.fleet.control_token,
     )
 
 

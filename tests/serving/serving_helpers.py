@@ -1,5 +1,5 @@
-"""Build a tiny policy checkpoint and a weight store with a few versions (what training would publish),
-and read back the telemetry a test gateway sent."""
+"""Build a tiny policy checkpoint and a weight store with a few signed versions (what training would
+publish), and read back the telemetry a test gateway sent."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ from typing import Any
 
 import torch
 
+CONTROL_TOKEN = "test-engine-control-" + uuid.uuid4().hex
+"""The control token of the engines the serving tests start (and what their clients send)."""
+
 
 @dataclass
 class Versions:
@@ -22,6 +25,18 @@ class Versions:
     hashes: dict[str, str]
     model_tensors: dict[str, dict[str, torch.Tensor]]
     """Each version's tensors as the store holds them (checkpoint names, bf16)."""
+    signing_key: Path
+    """The key the versions are signed with (the trainer's)."""
+    public_key: Path
+    """Its public key: what replicas verify the versions with."""
+
+    def env(self) -> dict[str, str]:
+        """Settings for processes that publish to this store or pull from it: its keys and the control token."""
+        return {
+            "UNDERTOW_POLICY__WEIGHTS__SIGNING_KEY": str(self.signing_key),
+            "UNDERTOW_POLICY__WEIGHTS__PUBLIC_KEY": str(self.public_key),
+            "UNDERTOW_SERVING__FLEET__CONTROL_TOKEN": CONTROL_TOKEN,
+        }
 
 
 def step(tensors: dict[str, torch.Tensor], seed: int, frac: float = 0.04) -> dict[str, torch.Tensor]:
@@ -37,12 +52,12 @@ def step(tensors: dict[str, torch.Tensor], seed: int, frac: float = 0.04) -> dic
 
 def make_versions(root: Path, preset: str = "tiny", n_versions: int = 3) -> Versions:
     """A checkpoint whose fp32 weights are bf16 values (v0), and a store with v0..v{n-1}: each a
-    delta from its parent and a full snapshot."""
+    delta from its parent and a full snapshot, signed with a key made under ``root/keys``."""
     from safetensors.torch import load_file
 
     from policy.model import build_model, save_checkpoint
     from policy.tokenizer import train_tokenizer
-    from policy.weights import WeightStore
+    from policy.weights import SigningKey, WeightStore
 
     tok = train_tokenizer(["def add(a, b):\n    return a + b\n", "for x in range(10):\n    print(x)\n"] * 20, 300)
     model = build_model(preset, len(tok), 0)
@@ -50,14 +65,15 @@ def make_versions(root: Path, preset: str = "tiny", n_versions: int = 3) -> Vers
         for p in model.parameters():
             p.copy_(p.to(torch.bfloat16).float())
     ckpt = save_checkpoint(model, tok, root / "ckpt-v0")
-    store = WeightStore(root / "store")
+    signer = SigningKey(root / "keys" / "signing.pem", root / "keys" / "signing.pub")
+    store = WeightStore(root / "store", signer=signer)
     hashes = {"v0": store.put(ckpt, version="v0", full=True).version_hash}
     current = load_file(str(ckpt / "model.safetensors"))
     for i in range(1, n_versions):
         current = step(current, seed=i)
         hashes[f"v{i}"] = store.put(current, version=f"v{i}", full=True).version_hash
     tensors = {v: store.state_dict(v) for v in hashes}
-    return Versions(ckpt, root / "store", hashes, tensors)
+    return Versions(ckpt, root / "store", hashes, tensors, signer.path, root / "keys" / "signing.pub")
 
 
 async def pull_and_switch(client: Any, versions: Versions, to_version: str, kind: str = "auto") -> tuple[dict, Any]:

@@ -9,6 +9,7 @@ import time
 
 import httpx
 import pytest
+from serving_helpers import CONTROL_TOKEN
 
 from serving import fleet
 from serving.config import DeployConfig, FleetConfig, GatewayConfig
@@ -16,14 +17,21 @@ from serving.deploy import gate, rollout, stage_sizes
 from serving.gateway import Gateway, create_gateway_app, health_loop, registry_source
 from serving.launch import ServerThread
 
-FLEET = FleetConfig(health_interval_s=0.5, health_timeout_s=2.0, unhealthy_after=1)
+FLEET = FleetConfig(health_interval_s=0.5, health_timeout_s=2.0, unhealthy_after=1, control_token=CONTROL_TOKEN)
 
 
 @pytest.fixture(scope="module")
 def three(versions, tmp_path_factory):  # type: ignore[no-untyped-def]
     from serving.launch import start_engines
 
-    procs = start_engines(versions.checkpoint, 3, store=versions.store, log_dir=tmp_path_factory.mktemp("logs"))
+    procs = start_engines(
+        versions.checkpoint,
+        3,
+        store=versions.store,
+        log_dir=tmp_path_factory.mktemp("logs"),
+        control_token=CONTROL_TOKEN,
+        public_key=versions.public_key,
+    )
     yield procs
     for p in procs:
         p.kill()
@@ -88,7 +96,9 @@ def test_full_rollout_under_load_fails_no_request(registry, versions) -> None:  
 
         with Load(srv.url) as load:
             time.sleep(1.0)
-            result = asyncio.run(rollout(registry, "v1", versions.hashes["v1"], cfg, metrics=metrics))
+            result = asyncio.run(
+                rollout(registry, "v1", versions.hashes["v1"], cfg, metrics=metrics, fleet_config=FLEET)
+            )
             time.sleep(0.5)
     assert result.status == "succeeded", result.message
     assert [s["name"] for s in result.stages] == ["canary", "stage-1", "stage-2"]
@@ -105,7 +115,7 @@ async def _staged(engines) -> list[str | None]:  # type: ignore[no-untyped-def]
 
     out = []
     for engine in engines:
-        async with EngineClient(engine.url) as client:
+        async with EngineClient(engine.url, token=CONTROL_TOKEN) as client:
             out.append((await client.weight_info()).staged)
     return out
 
@@ -122,7 +132,7 @@ def test_failed_gate_rolls_back(registry, versions, three, ahead: bool) -> None:
             }
         }
 
-    result = asyncio.run(rollout(registry, "v1", versions.hashes["v1"], cfg, metrics=bad_metrics))
+    result = asyncio.run(rollout(registry, "v1", versions.hashes["v1"], cfg, metrics=bad_metrics, fleet_config=FLEET))
     assert result.status == "rolled_back" and "error rate" in result.message
     # Pulling ahead, every replica pulled while the canary was judged, and those never moved dropped
     # what they staged; pulling per stage, only the canary pulled.
@@ -146,7 +156,7 @@ def test_replica_killed_mid_update_is_excluded_and_a_behind_one_reconciles(regis
 
     fleet.update_replica = killing_update  # type: ignore[assignment]
     try:
-        result = asyncio.run(rollout(registry, "v1", versions.hashes["v1"], cfg))
+        result = asyncio.run(rollout(registry, "v1", versions.hashes["v1"], cfg, fleet_config=FLEET))
     finally:
         fleet.update_replica = real_apply  # type: ignore[assignment]
     assert result.status == "rolled_back" and "r2" in result.message
@@ -236,7 +246,7 @@ def test_stale_deployment_is_failed_and_its_replicas_reconciled(registry, versio
     from serving.client import EngineClient
 
     async def move() -> None:
-        async with EngineClient(r0.url) as c:
+        async with EngineClient(r0.url, token=CONTROL_TOKEN) as c:
             await fleet.update_replica(
                 c, "v1", versions.hashes["v1"], from_version="v0", kind="auto", pause_timeout_s=30
             )
@@ -246,7 +256,9 @@ def test_stale_deployment_is_failed_and_its_replicas_reconciled(registry, versio
     assert fleet.versions_in_use(registry) == {"v0", "v1"}
     # A fresh running deployment is not stale; the next rollout refuses to run beside it.
     with pytest.raises(ValueError, match="still running"):
-        asyncio.run(rollout(registry, "v2", versions.hashes["v2"], DeployConfig(stale_after_s=3600)))
+        asyncio.run(
+            rollout(registry, "v2", versions.hashes["v2"], DeployConfig(stale_after_s=3600), fleet_config=FLEET)
+        )
     # With the heartbeat older than stale_after_s, a check fails it and frees the replica.
     reps = {r.id: r for r in asyncio.run(fleet.check_fleet(registry, FLEET, stale_after_s=60))}
     with transaction(registry) as s:

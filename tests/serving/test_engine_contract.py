@@ -9,7 +9,7 @@ import time
 import httpx
 import numpy as np
 import pytest
-from serving_helpers import pull_and_switch
+from serving_helpers import CONTROL_TOKEN, pull_and_switch
 
 from ingest.arrays import npy_from_b64
 from serving.client import EngineClient, EngineError
@@ -25,7 +25,7 @@ def test_completion_carries_token_ids_logprobs_and_routed_experts(one_engine, ve
     from policy.model import load_checkpoint
 
     async def go():  # type: ignore[no-untyped-def]
-        async with EngineClient(one_engine.url) as c:
+        async with EngineClient(one_engine.url, token=CONTROL_TOKEN) as c:
             return await c.completions(
                 {
                     "prompt": "def add(a, b):",
@@ -85,7 +85,7 @@ def test_bad_requests_get_4xx_with_a_message(one_engine, body, needle) -> None: 
 
 def test_models_health_sleep(one_engine) -> None:  # type: ignore[no-untyped-def]
     async def go():  # type: ignore[no-untyped-def]
-        async with EngineClient(one_engine.url) as c:
+        async with EngineClient(one_engine.url, token=CONTROL_TOKEN) as c:
             assert await c.health()
             assert await c.models() == ["undertow-policy"]
             await c.sleep(1)
@@ -103,7 +103,7 @@ def test_models_health_sleep(one_engine) -> None:  # type: ignore[no-untyped-def
 
 def test_pause_holds_requests_until_resume(one_engine) -> None:  # type: ignore[no-untyped-def]
     async def go():  # type: ignore[no-untyped-def]
-        async with EngineClient(one_engine.url) as c:
+        async with EngineClient(one_engine.url, token=CONTROL_TOKEN) as c:
             await c.pause()
             task = asyncio.create_task(c.completions({"prompt": "x", "max_tokens": 2}))
             await asyncio.sleep(0.8)
@@ -121,7 +121,7 @@ def test_corrupt_or_wrong_update_is_refused_and_old_weights_keep_serving(one_eng
     good = delta.read_bytes()
 
     async def go():  # type: ignore[no-untyped-def]
-        async with EngineClient(one_engine.url) as c:
+        async with EngineClient(one_engine.url, token=CONTROL_TOKEN) as c:
             before = await c.completions({"prompt": "def", "max_tokens": 4, "seed": 1, "temperature": 0})
             # Corrupt bytes (same size): a delta-only pull is refused before anything is staged...
             delta.write_bytes(good[: len(good) // 2] + bytes(64) + good[len(good) // 2 + 64 :])

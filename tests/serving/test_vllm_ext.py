@@ -69,6 +69,7 @@ def _fused_q(worker: FakeWorker, tensors: dict[str, torch.Tensor]) -> tuple[torc
 def test_extension_applies_delta_in_vllm_layout_and_refuses_corruption(versions, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("UNDERTOW_WEIGHTS_STORE", str(versions.store))
     monkeypatch.setenv("UNDERTOW_WEIGHTS_VERSION", "v0")
+    monkeypatch.setenv("UNDERTOW_WEIGHTS_PUBLIC_KEY", str(versions.public_key))
     worker = FakeWorker(str(versions.checkpoint), dict(versions.model_tensors["v0"]))
     info = worker.undertow_weight_info()
     assert info == {"version": "v0", "hash": versions.hashes["v0"], "staged": None}

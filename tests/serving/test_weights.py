@@ -30,7 +30,7 @@ def _fused_expert(model, layer: int, expert: int) -> tuple[torch.Tensor, torch.T
 
 def test_updates_write_fused_experts_in_place_and_undo_reverts(engine_model, versions) -> None:  # type: ignore[no-untyped-def]
     params = ModelParams(engine_model, versions.checkpoint, threading.Lock())
-    updater = WeightUpdater(params, version="v0", store_url=str(versions.store))
+    updater = WeightUpdater(params, version="v0", store_url=str(versions.store), public_key=versions.public_key)
     assert updater.hash == versions.hashes["v0"]
     gate_up = engine_model.model.layers[1].mlp.experts.gate_up_proj
     pointer = gate_up.data_ptr()
@@ -66,7 +66,10 @@ def test_updates_write_fused_experts_in_place_and_undo_reverts(engine_model, ver
     # Snapshot path (the baseline) gets to the same bits.
     assert updater.prefetch(PrefetchRequest(to_version="v1", kind="snapshot"))["steps"] == ["full:v1"]
     updater.apply(ApplyRequest(to_version="v1", expected_hash=versions.hashes["v1"]))
-    assert WeightUpdater(params, version="v1", store_url=str(versions.store)).hash == versions.hashes["v1"]
+    assert (
+        WeightUpdater(params, version="v1", store_url=str(versions.store), public_key=versions.public_key).hash
+        == versions.hashes["v1"]
+    )
 
 
 def test_engine_loads_the_stored_bits_when_the_checkpoint_differs(versions) -> None:  # type: ignore[no-untyped-def]
@@ -82,16 +85,16 @@ def test_engine_loads_the_stored_bits_when_the_checkpoint_differs(versions) -> N
     with pytest.raises(ValueError, match="does not match"):
         ModelParams(model, versions.checkpoint, threading.Lock())
     # With the store attached, the engine loads the stored bits where they differ.
-    updater = WeightUpdater(params, version="v0", store_url=str(versions.store))
+    updater = WeightUpdater(params, version="v0", store_url=str(versions.store), public_key=versions.public_key)
     assert updater.hash == versions.hashes["v0"]
     assert torch.equal(q, versions.model_tensors["v0"]["model.layers.0.self_attn.q_proj.weight"].float())
 
 
 def test_unknown_versions_wrong_names_and_stale_staging_are_refused(engine_model, versions, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from policy.weights import WeightStore
+    from policy.weights import SigningKey, WeightStore
 
     params = ModelParams(engine_model, versions.checkpoint, threading.Lock())
-    updater = WeightUpdater(params, version="v0", store_url=str(versions.store))
+    updater = WeightUpdater(params, version="v0", store_url=str(versions.store), public_key=versions.public_key)
     with pytest.raises(ValueError, match="not in the store"):
         updater.prefetch(PrefetchRequest(to_version="v9"))
     with pytest.raises(ValueError, match="nothing staged"):
@@ -102,17 +105,17 @@ def test_unknown_versions_wrong_names_and_stale_staging_are_refused(engine_model
     with pytest.raises(ValueError, match="without a weight store"):
         WeightUpdater(params, version="v0", store_url=None).prefetch(PrefetchRequest(to_version="v1"))
     # A store put with in-memory (fused) names does not fit the checkpoint names the engine serves.
-    other = WeightStore(tmp_path / "fused")
+    other = WeightStore(tmp_path / "fused", signer=SigningKey(versions.signing_key))
     other.put({k: v.to(torch.bfloat16) for k, v in engine_model.state_dict().items()}, version="v0")
     with pytest.raises(ValueError, match="checkpoint names"):
-        WeightUpdater(params, version="v0", store_url=str(tmp_path / "fused"))
+        WeightUpdater(params, version="v0", store_url=str(tmp_path / "fused"), public_key=versions.public_key)
 
 
 def test_verified_state_is_carried_forward_and_foreign_writes_are_caught(engine_model, versions, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     import serving.verified
 
     params = ModelParams(engine_model, versions.checkpoint, threading.Lock())
-    updater = WeightUpdater(params, version="v0", store_url=str(versions.store))
+    updater = WeightUpdater(params, version="v0", store_url=str(versions.store), public_key=versions.public_key)
     # A delta is checked against the checksums verified at load: the held weights are not hashed again.
     hashed: list[str] = []
     real_derive = serving.verified.VerifiedState._derive
@@ -143,16 +146,19 @@ def test_verified_state_is_carried_forward_and_foreign_writes_are_caught(engine_
     )
     assert torch.equal(q, versions.model_tensors["v1"]["model.layers.0.self_attn.q_proj.weight"].float())
     # The state carried forward is what a fresh load verifies.
-    assert WeightUpdater(params, version="v1", store_url=str(versions.store)).table == updater.table
+    assert (
+        WeightUpdater(params, version="v1", store_url=str(versions.store), public_key=versions.public_key).table
+        == updater.table
+    )
 
 
 def test_delta_whose_base_differs_from_the_verified_state_is_refused(versions) -> None:  # type: ignore[no-untyped-def]
-    from policy.weights import WeightStore
+    from policy.weights import Keyring, WeightStore
 
     # A replica that claims v1 but holds v0's bits: v2's delta (base v1) must not apply.
     held = {k: v.clone() for k, v in versions.model_tensors["v0"].items()}
     updater = WeightUpdater.for_dict(held, version="v1", store_url=None)
-    updater.store = WeightStore(versions.store)
+    updater.store = WeightStore(versions.store, keyring=Keyring(versions.public_key))
     with pytest.raises(ValueError, match="does not match version v1"):
         updater.prefetch(PrefetchRequest(to_version="v2", kind="delta"))
     assert all(torch.equal(held[k], v) for k, v in versions.model_tensors["v0"].items())
@@ -160,7 +166,7 @@ def test_delta_whose_base_differs_from_the_verified_state_is_refused(versions) -
 
 def test_sparse_updates_write_only_changed_positions_and_revert_exactly(versions) -> None:  # type: ignore[no-untyped-def]
     held = {k: v.clone() for k, v in versions.model_tensors["v0"].items()}
-    updater = WeightUpdater.for_dict(held, version="v0", store_url=str(versions.store))
+    updater = WeightUpdater.for_dict(held, version="v0", store_url=str(versions.store), public_key=versions.public_key)
     views = {k: v.data_ptr() for k, v in held.items()}
     pulled = updater.prefetch(PrefetchRequest(to_version="v1", kind="delta"))
     updater.apply(ApplyRequest(to_version="v1", expected_hash=versions.hashes["v1"]))

@@ -1,4 +1,5 @@
-"""Fixtures for the weight store: a store in a temporary directory and real tiny MoE checkpoints."""
+"""Fixtures for the weight store: a store in a temporary directory (signing with a key of the session)
+and real tiny MoE checkpoints."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import structlog
 import torch
 
 from policy.config import WeightsConfig
-from policy.weights import WeightStore
+from policy.weights import SigningKey, WeightStore
 
 
 def train_checkpoints(root: Path, steps: int, lr: float, seed: int = 0) -> list[Path]:
@@ -45,10 +46,17 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     return train_checkpoints(tmp_path_factory.mktemp("ckpt"), steps=2, lr=1e-5)
 
 
+@pytest.fixture(scope="session")
+def signer(tmp_path_factory: pytest.TempPathFactory) -> SigningKey:
+    """The trainer's key of the session's stores; its public key file is ``signer.public_path``."""
+    keys = tmp_path_factory.mktemp("keys")
+    return SigningKey(keys / "signing.pem", keys / "signing.pub")
+
+
 @pytest.fixture
-def store(tmp_path: Path) -> WeightStore:
+def store(tmp_path: Path, signer: SigningKey) -> WeightStore:
     """An empty store (full snapshot every 3 versions)."""
-    return WeightStore(tmp_path / "weights", WeightsConfig(snapshot_every=3))
+    return WeightStore(tmp_path / "weights", WeightsConfig(snapshot_every=3), signer=signer)
 
 
 @pytest.fixture(autouse=True)

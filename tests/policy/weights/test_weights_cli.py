@@ -24,7 +24,9 @@ def test_weights_cli(tmp_path: Path, checkpoints: list[Path]) -> None:
     assert [row["version"] for row in listed] == versions
     diff = _run(["diff", versions[0], versions[1], "--json"], home)
     assert 0 < diff["changed"] < diff["numel"] and diff["delta_bytes"] < diff["raw_bytes"]
-    assert _run(["verify", versions[1], "--json"], home) == {"version": versions[1], "ok": True, "checked": ["delta"]}
+    key_id = _run(["keygen", "--json"], home)["key_id"]  # the first put made the key; keygen keeps it
+    verified = {"version": versions[1], "ok": True, "signed_by": key_id, "checked": ["delta"]}
+    assert _run(["verify", versions[1], "--json"], home) == verified
     delta = home / "weights" / "versions" / versions[1] / "delta.bin"
     raw = bytearray(delta.read_bytes())
     raw[len(raw) // 2] ^= 1
@@ -80,3 +82,40 @@ def test_weights_serve_refuses_a_directory_that_is_not_a_store(tmp_path: Path) -
         app, ["weights", "serve", "--root", str(tmp_path / "nothing")], env={"UNDERTOW_HOME": str(tmp_path)}
     )
     assert result.exit_code == 2 and "not a weight store" in result.output
+
+
+def test_keygen_rotation_and_signing_again(tmp_path: Path, checkpoints: list[Path]) -> None:
+    import stat
+
+    home = tmp_path / "home"
+    first = _run(["keygen", "--json"], home)
+    assert first["created"] is True and first["trusted"] == [first["key_id"]]
+    assert stat.S_IMODE(Path(first["signing_key"]).stat().st_mode) == 0o600
+    assert _run(["keygen", "--json"], home)["key_id"] == first["key_id"]  # kept, not replaced
+    old = [_run(["put", str(path), "--json"], home)["version"] for path in checkpoints[:2]]
+
+    rotated = _run(["keygen", "--rotate", "--json"], home)
+    assert rotated["key_id"] != first["key_id"] and rotated["trusted"] == sorted([first["key_id"], rotated["key_id"]])
+    new = _run(["put", str(checkpoints[2]), "--json"], home)["version"]
+    signers = {row["version"]: row["signed_by"] for row in _run(["list", "--json"], home)["versions"]}
+    assert signers == {old[0]: first["key_id"], old[1]: first["key_id"], new: rotated["key_id"]}
+    assert all(_run(["verify", v, "--json"], home)["ok"] for v in [*old, new])  # both keys trusted meanwhile
+
+    assert _run(["sign", "--all", "--json"], home) == {
+        "key_id": rotated["key_id"],
+        "signed": [*old, new],
+        "refused": {},
+    }
+    public = Path(rotated["public_key_file"])
+    public.write_text(rotated["public_key"])  # the old key leaves the file replicas read
+    for version in [*old, new]:
+        assert _run(["verify", version, "--json"], home)["signed_by"] == rotated["key_id"]
+
+    # A manifest changed after it was signed is refused by verify, and never signed again without --force.
+    manifest = home / "weights" / "versions" / old[1] / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    doc["meta"]["source"] = "elsewhere"
+    manifest.write_text(json.dumps(doc))
+    assert "does not match its signature" in _run(["verify", old[1], "--json"], home, code=1)["error"]
+    refused = _run(["sign", old[1], "--json"], home, code=1)["refused"]
+    assert "does not match its signature" in refused[old[1]]

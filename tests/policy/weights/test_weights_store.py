@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from structlog.testing import capture_logs
 
 from policy.config import WeightsConfig
-from policy.weights import DeltaReader, WeightsError, WeightStore, collect, plan, plan_gc
+from policy.weights import DeltaReader, SigningKey, WeightsError, WeightStore, collect, plan, plan_gc
 from policy.weights.format import DELTA_FILE, FULL_FILE, MANIFEST
 from serving.protocol import ApplyRequest, PrefetchRequest
 from serving.weights import WeightUpdater
@@ -45,7 +45,8 @@ def _filled(store: WeightStore, checkpoints: list[Path]) -> list[str]:
 
 def _switch(store: WeightStore, live: dict[str, torch.Tensor], held: str, to: str, kind: str = "auto") -> dict:
     """Move ``live`` (holding ``held``) to ``to`` as a replica does; returns what the prefetch pulled."""
-    updater = WeightUpdater.for_dict(live, version=held, store_url=store.url)
+    assert store.signer is not None
+    updater = WeightUpdater.for_dict(live, version=held, store_url=store.url, public_key=store.signer.public_path)
     pulled = updater.prefetch(PrefetchRequest(to_version=to, kind=kind))
     applied = updater.apply(ApplyRequest(to_version=to, expected_hash=store.manifest(to).version_hash))
     updater.settle()
@@ -163,8 +164,8 @@ def test_missing_or_tampered_manifest(store: WeightStore, checkpoints: list[Path
         store.manifest(versions[1])
 
 
-def test_chain_plans_cheapest_path_and_falls_back_to_snapshot(tmp_path: Path) -> None:
-    store = WeightStore(tmp_path / "w", WeightsConfig(snapshot_every=2))
+def test_chain_plans_cheapest_path_and_falls_back_to_snapshot(tmp_path: Path, signer: SigningKey) -> None:
+    store = WeightStore(tmp_path / "w", WeightsConfig(snapshot_every=2), signer=signer)
     torch.manual_seed(0)
     state = {"w": torch.randn(200, 100).to(torch.bfloat16)}
     versions, states = [], []
@@ -193,10 +194,10 @@ def test_chain_plans_cheapest_path_and_falls_back_to_snapshot(tmp_path: Path) ->
     assert pulled["steps"] == [f"full:{versions[4]}"] and _same(live, states[4])
 
 
-def test_magnitude_classes_through_the_store(tmp_path: Path, checkpoints: list[Path]) -> None:
+def test_magnitude_classes_through_the_store(tmp_path: Path, checkpoints: list[Path], signer: SigningKey) -> None:
     """The opt-in low-magnitude class stores smaller deltas that apply bit for bit."""
-    plain = WeightStore(tmp_path / "plain", WeightsConfig())
-    classed = WeightStore(tmp_path / "classed", WeightsConfig(magnitude_classes=True))
+    plain = WeightStore(tmp_path / "plain", WeightsConfig(), signer=signer)
+    classed = WeightStore(tmp_path / "classed", WeightsConfig(magnitude_classes=True), signer=signer)
     for store in (plain, classed):
         versions = _filled(store, checkpoints[:2])
         live = store.state_dict(versions[0])
@@ -209,9 +210,9 @@ def test_magnitude_classes_through_the_store(tmp_path: Path, checkpoints: list[P
     assert c_delta.bytes < p_delta.bytes
 
 
-def test_rollback_plans_through_the_nearest_snapshot(tmp_path: Path) -> None:
+def test_rollback_plans_through_the_nearest_snapshot(tmp_path: Path, signer: SigningKey) -> None:
     """Deltas only go forward: rolling back is a snapshot at or before the target plus deltas after it."""
-    store = WeightStore(tmp_path / "w", WeightsConfig(snapshot_every=3))
+    store = WeightStore(tmp_path / "w", WeightsConfig(snapshot_every=3), signer=signer)
     torch.manual_seed(1)
     state = {"w": torch.randn(64, 64).to(torch.bfloat16)}
     versions, states = [], []
@@ -252,8 +253,8 @@ def test_delta_reader_reuses_and_closes_its_file(
     assert opened and all(r._handle is None and r._whole is None for r in opened), "a pull closes the delta file"
 
 
-def test_gc_keeps_what_replicas_need(tmp_path: Path) -> None:
-    store = WeightStore(tmp_path / "w", WeightsConfig(snapshot_every=3, retain_last=1))
+def test_gc_keeps_what_replicas_need(tmp_path: Path, signer: SigningKey) -> None:
+    store = WeightStore(tmp_path / "w", WeightsConfig(snapshot_every=3, retain_last=1), signer=signer)
     state = {"w": torch.zeros(64, 64, dtype=torch.bfloat16)}
     versions = []
     for i in range(7):

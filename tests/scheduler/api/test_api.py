@@ -378,12 +378,12 @@ def test_policy_versions_read_the_weight_store(
     their hash; one the trainer never recorded appears with the store's parent and step."""
     import torch
 
-    from policy.weights import WeightStore
+    from policy.weights import open_store
     from scheduler.api.app import create_app
 
     app = create_app(make_settings(tmp_path, shared_url), engine=api_engine)  # a home (and store) of its own
     settings = app.state.settings
-    store = WeightStore(settings.home / settings.policy.weights_url, settings.policy.weights)
+    store = open_store(settings.policy, settings.home)  # the trainer's store: it signs with the home's key
     torch.manual_seed(0)
     base = {"w": torch.randn(4, 4, dtype=torch.bfloat16)}
     store.put(base, version="v3", parent=None, full=True, meta={"step": 30})

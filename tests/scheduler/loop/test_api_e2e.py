@@ -40,12 +40,14 @@ class Stack:
 
     def served(self) -> list[tuple[str, str]]:
         """(version, hash) each engine reports, read from the engines themselves."""
+        from serving_helpers import CONTROL_TOKEN
+
         from serving.client import EngineClient
 
         async def read() -> list[tuple[str, str]]:
             out = []
             for url in self.urls:
-                async with EngineClient(url) as c:
+                async with EngineClient(url, token=CONTROL_TOKEN) as c:
                     info = await c.weight_info()
                 out.append((info.version, info.hash))
             return out
@@ -88,7 +90,7 @@ def deploy_stack(
     """API in process, a real Celery worker, two CPU engines behind the gateway, the pool on v0 (``url``: a
     PostgreSQL database, else SQLite); ``prepare(engine, env)`` runs on the migrated database first."""
     from fastapi.testclient import TestClient
-    from serving_helpers import make_versions
+    from serving_helpers import CONTROL_TOKEN, make_versions
 
     from ingest.db import make_engine
     from ingest.embedded import free_port
@@ -103,6 +105,7 @@ def deploy_stack(
     port = free_port()
     env = {
         **make_env(root, url),
+        **versions.env(),  # the store's signing key, its public key, the engines' control token
         "UNDERTOW_POLICY__WEIGHTS_URL": str(versions.store),
         "UNDERTOW_SERVING__GATEWAY_PORT": str(port),
         "UNDERTOW_SERVING__DEPLOY__CANARY_REPLICAS": "1",
@@ -116,8 +119,15 @@ def deploy_stack(
     engine = make_engine(env["UNDERTOW_DATABASE_URL"])
     if prepare is not None:
         prepare(engine, env)
-    procs = start_engines(versions.checkpoint, 2, store=versions.store, log_dir=root)
-    health = FleetConfig(health_interval_s=0.5, health_timeout_s=2.0, unhealthy_after=1)
+    procs = start_engines(
+        versions.checkpoint,
+        2,
+        store=versions.store,
+        log_dir=root,
+        control_token=CONTROL_TOKEN,
+        public_key=versions.public_key,
+    )
+    health = FleetConfig(health_interval_s=0.5, health_timeout_s=2.0, unhealthy_after=1, control_token=CONTROL_TOKEN)
     for i, p in enumerate(procs):
         fleet.register_replica(engine, f"r{i}", p.url)
     fleet.set_target(engine, "v0", versions.hashes["v0"])
