@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from serving_helpers import CONTROL_TOKEN, Versions, make_versions
+from serving_helpers import Versions, make_versions
 
 
 @pytest.fixture(scope="session")
@@ -21,16 +21,7 @@ def versions(tmp_path_factory: pytest.TempPathFactory) -> Versions:
 @pytest.fixture(scope="module")
 def one_engine(versions: Versions, tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     """One CPU engine process serving v0 with the store attached (control token: ``CONTROL_TOKEN``)."""
-    from serving.launch import start_engines
-
-    procs = start_engines(
-        versions.checkpoint,
-        1,
-        store=versions.store,
-        log_dir=tmp_path_factory.mktemp("logs"),
-        control_token=CONTROL_TOKEN,
-        public_key=versions.public_key,
-    )
+    procs = versions.start_engines(1, tmp_path_factory.mktemp("logs"))
     yield procs[0]
     for p in procs:
         p.kill()

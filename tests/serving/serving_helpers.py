@@ -30,6 +30,20 @@ class Versions:
     public_key: Path
     """Its public key: what replicas verify the versions with."""
 
+    def start_engines(self, n: int, log_dir: Path, store: Path | None = None) -> list[Any]:
+        """``n`` CPU engine processes serving v0 from this store (or ``store``), verifying what they pull with
+        its public key, their control routes answering ``CONTROL_TOKEN``."""
+        from serving.launch import start_engines
+
+        return start_engines(
+            self.checkpoint,
+            n,
+            store=store or self.store,
+            log_dir=log_dir,
+            control_token=CONTROL_TOKEN,
+            public_key=self.public_key,
+        )
+
     def env(self) -> dict[str, str]:
         """Settings for processes that publish to this store or pull from it: its keys and the control token."""
         return {

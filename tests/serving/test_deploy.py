@@ -22,16 +22,7 @@ FLEET = FleetConfig(health_interval_s=0.5, health_timeout_s=2.0, unhealthy_after
 
 @pytest.fixture(scope="module")
 def three(versions, tmp_path_factory):  # type: ignore[no-untyped-def]
-    from serving.launch import start_engines
-
-    procs = start_engines(
-        versions.checkpoint,
-        3,
-        store=versions.store,
-        log_dir=tmp_path_factory.mktemp("logs"),
-        control_token=CONTROL_TOKEN,
-        public_key=versions.public_key,
-    )
+    procs = versions.start_engines(3, tmp_path_factory.mktemp("logs"))
     yield procs
     for p in procs:
         p.kill()

@@ -25,7 +25,6 @@ def guarded(versions, tmp_path_factory: pytest.TempPathFactory) -> Iterator[obje
     """One engine on a copy of the store that also holds a version signed by a stranger's key
     (``v9-foreign``) and an unsigned one (``v8-unsigned``)."""
     from policy.weights import SigningKey, WeightStore
-    from serving.launch import start_engines
 
     root = tmp_path_factory.mktemp("guarded")
     store = root / "store"
@@ -39,9 +38,7 @@ def guarded(versions, tmp_path_factory: pytest.TempPathFactory) -> Iterator[obje
     doc = json.loads(manifest.read_text())
     del doc["signature"]
     manifest.write_text(json.dumps(doc))
-    procs = start_engines(
-        versions.checkpoint, 1, store=store, log_dir=root, control_token=CONTROL_TOKEN, public_key=versions.public_key
-    )
+    procs = versions.start_engines(1, root, store)
     yield procs[0]
     for p in procs:
         p.kill()

@@ -99,7 +99,7 @@ def deploy_stack(
     from serving import fleet
     from serving.config import FleetConfig, GatewayConfig
     from serving.gateway import Gateway, create_gateway_app, health_loop, registry_source
-    from serving.launch import ServerThread, start_engines
+    from serving.launch import ServerThread
 
     versions = make_versions(root / "weights")
     port = free_port()
@@ -119,14 +119,7 @@ def deploy_stack(
     engine = make_engine(env["UNDERTOW_DATABASE_URL"])
     if prepare is not None:
         prepare(engine, env)
-    procs = start_engines(
-        versions.checkpoint,
-        2,
-        store=versions.store,
-        log_dir=root,
-        control_token=CONTROL_TOKEN,
-        public_key=versions.public_key,
-    )
+    procs = versions.start_engines(2, root)
     health = FleetConfig(health_interval_s=0.5, health_timeout_s=2.0, unhealthy_after=1, control_token=CONTROL_TOKEN)
     for i, p in enumerate(procs):
         fleet.register_replica(engine, f"r{i}", p.url)
