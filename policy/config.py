@@ -55,6 +55,13 @@ class PolicyConfig(BaseModel):
     """Advantage estimator: ``grpo``, ``reinforce`` (group mean or running baseline) or ``rloo``."""
     loss_level: str = "token"
     """Policy-gradient ratio level: ``token`` (PPO/GRPO) or ``sequence`` (GSPO)."""
+    tool_feedback_weight: float = Field(default=1.0, ge=0)
+    """Turn-level credit for grouped agent sessions (:mod:`policy.feedback`): a turn is credited with the
+    session's reward plus this times the verdict its tools reported (1 kept, 0.2 only passed); 0: off."""
+    loss_normalize: Literal["token", "session"] = "session"
+    """How the loss averages over a batch: ``session`` (each session's token mean, then the mean over
+    sessions: an agent session that failed through many turns weighs no more than one that succeeded
+    in one) or ``token`` (every token the same)."""
     routing_replay: bool = True
     """Replay the served routed experts in the training forward."""
     max_staleness: int = Field(default=4, ge=0)

@@ -48,6 +48,8 @@ def train_config(cfg: PolicyConfig, steps: int | None = None) -> TrainConfig:
         replay=cfg.routing_replay,
         max_staleness=cfg.max_staleness,
         loss=LossConfig(level=cfg.loss_level),
+        normalize=cfg.loss_normalize,
+        feedback_weight=cfg.tool_feedback_weight,
         pack_tokens=cfg.pack_tokens,
         pack_rows=cfg.pack_rows,
         autocast=cfg.autocast,

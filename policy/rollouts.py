@@ -54,6 +54,12 @@ class Rollout:
     session_id: str | None = None
     occurred_at: datetime | None = None
     info: dict[str, float] = field(default_factory=dict)
+    token_turns: np.ndarray | None = None
+    """Per completion token, the index of the agent turn that generated it (-1 for context tokens);
+    None for a rollout that is not an agent session's window."""
+    turn_feedback: dict[int, float] | None = None
+    """Execution feedback of the session's turns, by turn index (see :mod:`policy.feedback`): what
+    the tools a turn called reported about it, for turn-level credit."""
 
     @property
     def mask(self) -> list[bool]:

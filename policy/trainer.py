@@ -84,6 +84,7 @@ from policy.distributed import (
     unsharded_copy,
     world,
 )
+from policy.feedback import turn_advantages
 from policy.forward import ForwardOutput, forward_tokens, routers
 from policy.losses import LossConfig, LossInputs, load_balancing_loss, policy_loss
 from policy.packing import PackedRow, forward_packed_rows, model_device, pack_sequences
@@ -119,6 +120,15 @@ class TrainConfig:
     pack_rows: int = 1
     """Packed rows per forward (a batch ``[pack_rows, pack_tokens]``): one forward and backward then
     covers that many rows, so the per-forward overhead is paid once per group of rows."""
+    feedback_weight: float = 0.0
+    """Turn-level credit from execution feedback (:mod:`policy.feedback`): each turn of a grouped agent
+    session is credited with the session's reward plus this times what its tools reported; 0: every
+    turn carries the session's reward alone."""
+    normalize: str = "token"
+    """How the policy loss averages over the batch: ``token`` (every trained token of the batch weighs
+    the same: a long trajectory weighs more) or ``session`` (each session's tokens are averaged, then
+    the sessions: every session weighs the same, however many turns and tokens it took; see
+    :func:`session_weights`)."""
     autocast: str = "auto"
     """Mixed precision of the training forward: ``auto`` (bf16 autocast on CUDA, none on CPU, where
     float32 keeps the logprobs equal to the served ones), ``bf16`` (on any device) or ``off``.
@@ -147,7 +157,23 @@ def _merge(sums: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def _microbatches(batch: list[Rollout], advantages: list[float], needs_all: bool, *, pad: bool) -> list[int | None]:
+Advantage = float | np.ndarray
+"""A rollout's advantage: one for all its tokens, or one per completion token (turn-level credit)."""
+
+
+def _carries(advantage: Advantage) -> bool:
+    """Whether an advantage moves anything (a nonzero value on some token)."""
+    return bool(np.any(np.asarray(advantage) != 0.0))
+
+
+def _per_token(advantage: Advantage, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The advantage of each trained token (``mask`` over the completion)."""
+    if isinstance(advantage, np.ndarray):
+        return torch.as_tensor(advantage, dtype=dtype, device=mask.device)[mask]
+    return torch.full((int(mask.sum()),), float(advantage), dtype=dtype, device=mask.device)
+
+
+def _microbatches(batch: list[Rollout], advantages: list[Advantage], needs_all: bool, *, pad: bool) -> list[int | None]:
     """This rank's rollout indices: every ``world``-th of those that carry a gradient.
 
     Under FSDP every rank must run the same number of forward/backward passes (each one gathers
@@ -155,7 +181,7 @@ def _microbatches(batch: list[Rollout], advantages: list[float], needs_all: bool
     whose loss is scaled by zero. Unsharded ranks need no padding.
     """
     rank, size = world()
-    active = [i for i in range(len(batch)) if advantages[i] != 0.0 or needs_all]
+    active = [i for i in range(len(batch)) if needs_all or _carries(advantages[i])]
     mine: list[int | None] = list(active[rank::size])
     if pad and size > 1:  # every rank holds the same list: rank 0's share is the largest
         mine += [None] * (len(active[0::size]) - len(mine))
@@ -163,7 +189,7 @@ def _microbatches(batch: list[Rollout], advantages: list[float], needs_all: bool
 
 
 def _packed_rows(
-    batch: list[Rollout], advantages: list[float], needs_all: bool, pack_tokens: int, *, pad: bool
+    batch: list[Rollout], advantages: list[Advantage], needs_all: bool, pack_tokens: int, *, pad: bool
 ) -> tuple[list[int], list[PackedRow | None]]:
     """The rollouts that carry a gradient and this rank's packed rows of them (indices into that list).
 
@@ -171,7 +197,7 @@ def _packed_rows(
     with a row fewer gets a ``None`` (a zero-weight pass), as in :func:`_microbatches`.
     """
     rank, size = world()
-    active = [i for i in range(len(batch)) if advantages[i] != 0.0 or needs_all]
+    active = [i for i in range(len(batch)) if needs_all or _carries(advantages[i])]
     rows = pack_sequences([len(batch[i].prompt_ids) + len(batch[i].completion_ids) for i in active], pack_tokens)
     mine: list[PackedRow | None] = list(rows[rank::size])
     if pad and size > 1:  # every rank packs the same rows: rank 0's share is the largest
@@ -182,7 +208,7 @@ def _packed_rows(
 def _packed_passes(
     model: PreTrainedModel,
     batch: list[Rollout],
-    advantages: list[float],
+    advantages: list[Advantage],
     cfg: TrainConfig,
     normalizer: float,
     needs_all: bool,
@@ -249,7 +275,7 @@ def _rows_loss(
     members: list[Rollout],
     outs: list[ForwardOutput],
     refs: list[ForwardOutput] | None,
-    advantages: list[float],
+    advantages: list[Advantage],
     active: list[int],
     cfg: TrainConfig,
     normalizer: float,
@@ -271,7 +297,12 @@ def _rows_loss(
     ]
     served_all = torch.as_tensor(np.concatenate(served_np), device=device)[mask]
     served_all = torch.where(torch.isnan(served_all), logp_all.detach().to(served_all.dtype), served_all)
-    per_seq = torch.tensor([advantages[active[j]] for j in indices], dtype=logp_all.dtype, device=device)
+    per_token = torch.cat(
+        [
+            _per_token(advantages[active[j]], torch.tensor(r.mask, dtype=torch.bool, device=device), logp_all.dtype)
+            for j, r in zip(indices, members, strict=True)
+        ]
+    )
     lb_terms: list[tuple[torch.Tensor, int]] = []
     if cfg.loss.load_balance_coef > 0:
         lb_terms = [
@@ -280,7 +311,7 @@ def _rows_loss(
     inputs = LossInputs(
         logprobs=logp_all,
         served_logprobs=served_all,
-        advantages=torch.repeat_interleave(per_seq, counts),
+        advantages=per_token,
         seq_index=torch.repeat_interleave(torch.arange(len(members), device=device), counts),
         normalizer=normalizer,
         ref_logprobs=torch.cat([o.logprobs for o in refs])[mask].float() if refs is not None else None,
@@ -316,6 +347,32 @@ def session_advantages(batch: list[Rollout], method: str, baseline: RunningBasel
     return [by_key[key] for key in keys]
 
 
+def session_weights(batch: list[Rollout], normalize: str) -> list[float]:
+    """Per-rollout factors on the advantage that turn the token mean of the loss into ``normalize``.
+
+    The policy loss is a sum over trained tokens divided by the batch's token count ``T`` (the token
+    mean). With ``session``, rollout ``i`` of session ``s`` gets ``T / (S * T_s)`` (``S`` sessions in the
+    batch, ``T_s`` trained tokens of all windows of ``s``), so the loss is the mean over sessions of each
+    session's token mean. The clipped surrogate is positively homogeneous in the advantage, so scaling
+    the advantage scales that rollout's share of the loss and nothing else.
+
+    Why it matters for agent sessions: a session that fails keeps trying until its turn limit, so it
+    has more turns, and more tokens, than one that succeeds early. Under the token mean its negative
+    advantage then outweighs the positive one of the session it is compared with on exactly the
+    tokens both share (the tool-call framing, ``submit``), and those are pushed down until the policy
+    stops calling its tools. Averaging per session cancels that bias."""
+    if normalize == "token":
+        return [1.0] * len(batch)
+    if normalize != "session":
+        raise ValueError(f"normalize must be token or session (got {normalize!r})")
+    keys = [r.session_id if r.session_id else f"#{i}" for i, r in enumerate(batch)]
+    tokens: dict[str, int] = {}
+    for key, r in zip(keys, batch, strict=True):
+        tokens[key] = tokens.get(key, 0) + sum(r.mask)
+    total = sum(tokens.values())
+    return [total / (len(tokens) * tokens[key]) if tokens[key] else 0.0 for key in keys]
+
+
 def update_step(
     model: PreTrainedModel,
     optimizer: torch.optim.Optimizer,
@@ -332,7 +389,10 @@ def update_step(
     """
     _, size = world()
     sharded = is_sharded(model)
-    advantages = session_advantages(batch, cfg.advantage, baseline)
+    advantages = turn_advantages(
+        batch, session_advantages(batch, cfg.advantage, baseline), cfg.advantage, cfg.feedback_weight
+    )
+    advantages = [a * w for a, w in zip(advantages, session_weights(batch, cfg.normalize), strict=True)]
     normalizer = float(max(1, sum(sum(r.mask) for r in batch)))
     needs_all = cfg.loss.kl_coef > 0 or cfg.loss.entropy_coef > 0 or cfg.loss.load_balance_coef > 0
     top_k = int(routers(model)[0].top_k)
@@ -374,7 +434,7 @@ def update_step(
         inputs = LossInputs(
             logprobs=logp,
             served_logprobs=served_t,
-            advantages=torch.full_like(logp, adv),
+            advantages=_per_token(adv, mask, logp.dtype),
             seq_index=torch.zeros(logp.shape[0], dtype=torch.int64, device=device),
             normalizer=normalizer,
             ref_logprobs=ref,

@@ -22,7 +22,10 @@ so the session is one token sequence, and :func:`session_trajectories` rebuilds 
   own prompt; a turn longer than ``max_tokens`` (a joined window is as long as its last turn) is
   dropped and counted;
 - **reward**: every window of a session is credited with the session's final reward (the reward
-  of its highest rewarded turn), so a summary is trained by the outcome it led to;
+  of its last rewarded turn), so a summary is trained by the outcome it led to;
+- **turns**: each token records the turn that generated it (``token_turns``), and each turn the
+  execution feedback its tools reported (``turn_feedback``, read from the next turn's conversation
+  by :func:`policy.feedback.tool_feedback`), for the trainer's turn-level credit;
 - **groups**: the session's ``turn.group`` (sessions run on one task and compared) is the
   rollouts' ``group_id``, so GRPO normalises over whole sessions; a session without one is a
   single sample, trained against a running baseline keyed by ``context``.
@@ -33,6 +36,7 @@ Rows that are not turns of an agent session (single requests, or sessions sent w
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from policy.feedback import tool_feedback
 from policy.rollouts import Rollout, rollouts_from_sessions, version_number
 
 
@@ -55,6 +60,8 @@ class _Turn:
     reward: float | None
     version: int | None
     occurred_at: Any
+    text: str | None = None
+    """The conversation text the turn was prompted with (where the previous turn's tool results are)."""
 
 
 @dataclass
@@ -64,6 +71,7 @@ class _Window:
     mask: list[bool] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     turns: list[_Turn] = field(default_factory=list)
+    token_turns: list[int] = field(default_factory=list)
 
     @property
     def tokens(self) -> list[int]:
@@ -116,6 +124,7 @@ def _turn(row: object, reward: float | None) -> _Turn:
         reward=reward,
         version=version_number(getattr(row, "policy_version", None)),
         occurred_at=getattr(row, "occurred_at", None),
+        text=getattr(row, "prompt_text", None),
     )
 
 
@@ -157,8 +166,16 @@ def join_turns(turns: Sequence[_Turn], max_tokens: int) -> tuple[list[_Window], 
             current.mask += [False] * len(context) + turn.mask
             current.logprobs += [float("nan")] * len(context) + turn.logprobs
             current.turns.append(turn)
+            current.token_turns += [-1] * len(context) + [turn.index] * len(turn.generated)
             continue
-        current = _Window(list(turn.prompt), list(turn.generated), list(turn.mask), list(turn.logprobs), [turn])
+        current = _Window(
+            list(turn.prompt),
+            list(turn.generated),
+            list(turn.mask),
+            list(turn.logprobs),
+            [turn],
+            [turn.index] * len(turn.generated),
+        )
         windows.append(current)
     return [w for w in windows if any(w.mask)], dropped
 
@@ -193,6 +210,9 @@ def session_trajectories(
         if not rewarded:
             continue
         reward = float(rewarded[-1].reward)  # type: ignore[arg-type]
+        feedback = {
+            t.index: score for t, nxt in itertools.pairwise(turns) if (score := tool_feedback(nxt.text)) is not None
+        }
         windows, dropped = join_turns(turns, max_tokens)
         stats.windows_dropped += dropped
         if not windows:
@@ -220,6 +240,8 @@ def session_trajectories(
                     session_id=session_id,
                     occurred_at=w.turns[0].occurred_at,
                     info={"turns": float(len(w.turns))},
+                    token_turns=np.asarray(w.token_turns, dtype=np.int64),
+                    turn_feedback=feedback,
                 )
             )
     return out, stats

@@ -219,3 +219,27 @@ def _fsdp_worker(out_path: str) -> None:
 
 if __name__ == "__main__":
     _fsdp_worker(sys.argv[1])
+
+
+def test_packed_update_with_turn_credit_and_session_mean_matches_unpacked(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """Per-token advantages (turn-level credit) and the per-session mean take the same path packed."""
+    base = build_model("tiny", len(tokenizer), seed=0)
+    batch = []
+    for i, r in enumerate(_mixed_batch(base, tokenizer)):
+        if r.group_id and r.group_id.startswith("h"):  # agent windows: tokens in turns of four
+            turns = np.array([j // 4 if m else -1 for j, m in enumerate(r.mask)])
+            r = replace(r, session_id=f"s{i}", token_turns=turns, turn_feedback={0: float(i % 2), 1: 0.2})
+        batch.append(r)
+    assert any(r.token_turns is not None for r in batch)
+    results = {}
+    for pack, rows in ((0, 1), (48, 3)):
+        model = build_model("tiny", len(tokenizer), seed=0)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        cfg = TrainConfig(pack_tokens=pack, pack_rows=rows, grad_clip=1e9, feedback_weight=1.0, normalize="session")
+        metrics = update_step(model, opt, batch, cfg)
+        results[pack] = (metrics, {k: v.detach().clone() for k, v in model.state_dict().items()})
+    _assert_same_update(results[0], results[48], LossConfig())
+    # the credit changed the update (against the same batch without it)
+    model = build_model("tiny", len(tokenizer), seed=0)
+    plain = update_step(model, torch.optim.SGD(model.parameters(), lr=1.0), batch, TrainConfig(grad_clip=1e9))
+    assert plain["loss/total"] != pytest.approx(results[0][0]["loss/total"], rel=1e-3)

@@ -245,3 +245,48 @@ def test_bf16_autocast_trains_in_float32_weights(tokenizer) -> None:  # type: ig
         flat32 = torch.cat([g.flatten() for g in g32.values()])
         flat16 = torch.cat([g.flatten() for g in g16.values()])
         assert torch.nn.functional.cosine_similarity(flat32, flat16, dim=0) > 0.95
+
+
+def _framing_batch(tokenizer) -> list[Rollout]:  # type: ignore[no-untyped-def]
+    """Two agent sessions on one task with the same framing: one succeeds in one turn, the other
+    fails through four turns of exactly the same tokens (as a session that keeps trying does)."""
+    prompt = [int(t) for t in tokenizer("def f(x):", add_special_tokens=False)["input_ids"]]
+    call = [int(t) for t in tokenizer(' {"name": "submit"}', add_special_tokens=False)["input_ids"]]
+    won = Rollout(prompt, call, reward=1.0, group_id="g", session_id="won")
+    lost = [Rollout(prompt, call, reward=0.0, group_id="g", session_id="lost") for _ in range(4)]
+    return [won, *lost]
+
+
+@pytest.mark.parametrize("normalize", ["token", "session"])
+def test_session_mean_stops_long_failures_pushing_down_shared_tokens(tiny, tokenizer, normalize) -> None:  # type: ignore[no-untyped-def]
+    """Under the token mean the four-turn failure outweighs the one-turn success on the tokens both
+    wrote, so they lose probability; with each session weighed once they do not move."""
+    batch = _framing_batch(tokenizer)
+    r = batch[0]
+
+    def logp() -> float:
+        return float(score_tokens(tiny, r.prompt_ids + r.completion_ids, prompt_len=len(r.prompt_ids)).logprobs.sum())
+
+    before = logp()
+    cfg = TrainConfig(lr=0.5, normalize=normalize, grad_clip=1e9)
+    sgd = torch.optim.SGD(tiny.parameters(), lr=cfg.lr)  # moves by the gradient itself (Adam would rescale)
+    update_step(tiny, sgd, batch, cfg)
+    moved = logp() - before
+    if normalize == "token":
+        assert moved < -1e-3
+    else:
+        assert abs(moved) < 1e-5
+
+
+def test_session_weights_average_sessions_not_tokens() -> None:
+    from policy.trainer import session_weights
+
+    a = Rollout([1], [2, 3], 1.0, session_id="a")
+    b1, b2 = Rollout([1], [2, 3, 4], 0.0, session_id="b"), Rollout([1], [5], 0.0, session_id="b")
+    single = Rollout([1], [2, 3, 4, 5], 0.0)  # no session id: a session of its own
+    weights = session_weights([a, b1, b2, single], "session")
+    total = 2 + 4 + 4
+    assert weights == pytest.approx([total / (3 * 2), total / (3 * 4), total / (3 * 4), total / (3 * 4)])
+    assert session_weights([a, b1], "token") == [1.0, 1.0]
+    with pytest.raises(ValueError, match="token or session"):
+        session_weights([a], "sequence")

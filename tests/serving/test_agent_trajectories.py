@@ -157,6 +157,16 @@ def test_a_tool_calling_session_with_a_summary_becomes_one_masked_trajectory_and
     masked_text = tokenizer.decode([t for t, m in zip(first.completion_ids, first.mask, strict=True) if not m])
     assert tool_result["content"] in masked_text and SUMMARY_REQUEST in masked_text
     assert first.prompt_ids == turns[0]["payload"]["prompt"]["token_ids"]
+
+    # turn-level credit: each trained token knows its turn, and turn 0 carries the verdict its
+    # run_tests got, read back from the next turn's stored conversation
+    from policy.feedback import verdict_score
+
+    turn_of_token = [int(t) for r in rollouts for t, m in zip(r.token_turns, r.mask, strict=True) if m]
+    segments = [(e["payload"]["turn"]["index"], e["payload"]["segments"][0]["token_ids"]) for e in turns]
+    assert turn_of_token == [index for index, ids in segments for _ in ids]
+    expected = verdict_score(tool_result["content"])
+    assert expected is not None and all(r.turn_feedback == {0: expected} for r in rollouts)
     for r in rollouts:  # replay covers every turn of the window
         assert r.routed_experts is not None
         assert r.routed_experts.shape[0] == len(r.prompt_ids) + len(r.completion_ids) - 1
