@@ -90,7 +90,9 @@ def gate(new: dict[str, Any] | None, old: dict[str, Any] | None, config: DeployC
     more than ``gate_max_error_rate_delta``, or its p50 latency exceeds ``gate_max_latency_ratio``
     times the old one, or its acceptance proxy dropped by more than ``gate_max_acceptance_drop``
     and by at least ``gate_acceptance_z`` standard errors of the difference (compared only when both
-    versions have judged sessions; without their counts, ``judged``, the drop alone decides).
+    versions have judged sessions; without their counts, ``judged``, the drop alone decides), and,
+    where both were judged on the same kinds of traffic, also within those kinds
+    (:func:`stratified_drop`).
     """
     if not new or new.get("requests", 0) < config.gate_min_requests:
         served = 0 if not new else new.get("requests", 0)
@@ -111,8 +113,40 @@ def gate(new: dict[str, Any] | None, old: dict[str, Any] | None, config: DeployC
         se = _drop_se(new, old)
         if drop > config.gate_max_acceptance_drop and drop >= config.gate_acceptance_z * se:
             shown = f", {drop / se:.1f} standard errors" if se > 0 else ""
-            return False, f"acceptance dropped by {drop:.3f}{shown} (limit {config.gate_max_acceptance_drop})"
+            within = stratified_drop(new, old)
+            if within is None:
+                return False, f"acceptance dropped by {drop:.3f}{shown} (limit {config.gate_max_acceptance_drop})"
+            kind_drop, kind_se = within
+            if kind_drop > config.gate_max_acceptance_drop and kind_drop >= config.gate_acceptance_z * kind_se:
+                return False, (
+                    f"acceptance dropped by {drop:.3f}{shown}, and by {kind_drop:.3f} within each kind of traffic "
+                    f"(limit {config.gate_max_acceptance_drop})"
+                )
     return True, "passed"
+
+
+def stratified_drop(new: dict[str, Any], old: dict[str, Any]) -> tuple[float, float] | None:
+    """The acceptance drop compared within each kind of traffic (``by_kind``: agent sessions, single
+    requests) and its standard error, or None without a kind both versions have signals on.
+
+    Agent sessions are accepted far less often than single completions, and a canary that happened
+    to serve more of them would look worse by its mix alone. So the drops of the kinds both versions
+    were judged on are averaged with weights by the kind's signals on both sides (a stratified
+    difference), their variances with the squared weights. The gate fails a stage on acceptance
+    only when the overall drop and this one are both too large."""
+    kinds_new, kinds_old = new.get("by_kind") or {}, old.get("by_kind") or {}
+    common = sorted(k for k in kinds_new if k in kinds_old and kinds_new[k]["judged"] and kinds_old[k]["judged"])
+    if not common:
+        return None
+    total = sum(kinds_new[k]["judged"] + kinds_old[k]["judged"] for k in common)
+    drop = variance = 0.0
+    for k in common:
+        a, b = kinds_new[k], kinds_old[k]
+        w = (a["judged"] + b["judged"]) / total
+        p_new, p_old = min(max(float(a["acceptance"]), 0.0), 1.0), min(max(float(b["acceptance"]), 0.0), 1.0)
+        drop += w * (p_old - p_new)
+        variance += w * w * (p_new * (1 - p_new) / a["judged"] + p_old * (1 - p_old) / b["judged"])
+    return drop, math.sqrt(variance)
 
 
 def _drop_se(new: dict[str, Any], old: dict[str, Any]) -> float:

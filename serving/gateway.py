@@ -137,22 +137,34 @@ class VersionStats:
     per_user: dict[str, list[float]] = field(default_factory=dict)
     per_user_cap: int = 0
     trim: float = 0.05
+    by_kind: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    """Signals by the kind of traffic they judge (``agent``: multi-turn sessions; ``single``: one
+    request), per user as ``per_user``: acceptance differs by kind far more than between versions,
+    so the gate also compares the kinds apart (:func:`serving.deploy.stratified_drop`), each with
+    the same robust mean."""
 
-    def judge(self, user: str | None, value: float) -> None:
-        """Count one acceptance signal of ``user`` (None: a user the gateway does not know)."""
+    def judge(self, user: str | None, value: float, kind: str = "single") -> None:
+        """Count one acceptance signal of ``user`` (None: a user the gateway does not know) on traffic of ``kind``."""
         self.accepts += value
         self.judged += 1
         entry = self.per_user.setdefault(user or "", [0.0, 0.0])
         entry[0] += value
         entry[1] += 1
+        stratum = self.by_kind.setdefault(kind, {}).setdefault(user or "", [0.0, 0.0])
+        stratum[0] += value
+        stratum[1] += 1
 
     def acceptance(self) -> float | None:
         """The robust acceptance (see the class docstring); the plain mean when the cap is off."""
-        if not self.judged:
+        return self._robust(self.per_user)
+
+    def _robust(self, per_user: dict[str, list[float]]) -> float | None:
+        judged = sum(count for _, count in per_user.values())
+        if not judged:
             return None
         if self.per_user_cap <= 0:
-            return self.accepts / self.judged
-        users = [(total / count, min(count, self.per_user_cap)) for total, count in self.per_user.values()]
+            return sum(total for total, _ in per_user.values()) / judged
+        users = [(total / count, min(count, self.per_user_cap)) for total, count in per_user.values()]
         k = max(1, math.floor(self.trim * len(users))) if len(users) >= 5 else 0
         if k:  # among users tied at an extreme, the heaviest go first
             users = sorted(users, key=lambda u: (u[0], -u[1]))[k:]
@@ -170,6 +182,10 @@ class VersionStats:
             "acceptance_raw": self.accepts / self.judged if self.judged else None,
             "judged": self.judged,
             "judged_users": len(self.per_user),
+            "by_kind": {
+                kind: {"acceptance": self._robust(users), "judged": int(sum(n for _, n in users.values()))}
+                for kind, users in self.by_kind.items()
+            },
         }
 
 
@@ -203,6 +219,8 @@ class Gateway:
         self._rr = itertools.count()
         self.affinity: OrderedDict[str, str] = OrderedDict()
         """Agent session -> the replica that served its last turn (most recent last, bounded)."""
+        self.multi_turn: OrderedDict[str, None] = OrderedDict()
+        """Ids (sessions and their turns) of multi-turn agent sessions, to judge their signals apart."""
 
     async def authorize(self, authorization: str | None, scope: str) -> ClientKey | JSONResponse:
         """The client behind a request's ``Authorization`` header, or the refusal to send (401, 403, 429)."""
@@ -457,6 +475,8 @@ class Gateway:
         self.trust.served(session_id, req.version, req.user, req.client)
         if req.session is not None:
             self.trust.served(req.session, req.version, req.user, req.client)
+            remember(self.multi_turn, req.session, None)
+            remember(self.multi_turn, session_id, None)
         if self.emitter is not None:
             self.emitter.emit(turns.event(req, served, k))
 
@@ -578,7 +598,8 @@ class Gateway:
         elif kind == "code.retained" and payload.get("lines_written"):
             value = payload["lines_retained"] / payload["lines_written"]
         if value is not None:
-            self.stats[version].judge(self.trust.owner(session_id), value)
+            kind = "agent" if session_id in self.multi_turn else "single"
+            self.stats[version].judge(self.trust.owner(session_id), value, kind)
 
     def metrics(self) -> dict[str, Any]:
         out: dict[str, Any] = {

@@ -13,7 +13,7 @@ from serving_helpers import CONTROL_TOKEN
 
 from serving import fleet
 from serving.config import DeployConfig, FleetConfig, GatewayConfig
-from serving.deploy import gate, rollout, stage_sizes
+from serving.deploy import gate, rollout, stage_sizes, stratified_drop
 from serving.gateway import Gateway, create_gateway_app, health_loop, registry_source
 from serving.launch import ServerThread
 
@@ -268,3 +268,35 @@ def test_versions_in_use_without_serving_tables(sqlite_url) -> None:  # type: ig
     from ingest.db import make_engine
 
     assert fleet.versions_in_use(make_engine(sqlite_url)) == set()
+
+
+def test_a_canary_that_served_more_agent_sessions_is_not_rolled_back_for_its_mix() -> None:
+    """Agent sessions are accepted far less often than single completions: a canary whose signals
+    came mostly from agent sessions looks worse overall though it is as good on each kind. The gate
+    compares the kinds apart and passes it; a drop within the kinds still fails."""
+    cfg = DeployConfig(gate_min_requests=10)
+
+    def stats(agent: tuple[float, int], single: tuple[float, int]) -> dict[str, object]:
+        judged = agent[1] + single[1]
+        overall = (agent[0] * agent[1] + single[0] * single[1]) / judged
+        kinds = {"agent": {"acceptance": agent[0], "judged": agent[1]}}
+        kinds["single"] = {"acceptance": single[0], "judged": single[1]}
+        return {"requests": 20, "error_rate": 0.0, "acceptance": overall, "judged": judged, "by_kind": kinds}
+
+    old = stats((0.4, 120), (0.95, 240))  # overall 0.77
+    same_quality = stats((0.4, 20), (0.95, 4))  # overall 0.49: its mix, not its quality
+    ok, why = gate(same_quality, old, cfg)
+    assert ok, why
+    without_kinds = {k: v for k, v in same_quality.items() if k != "by_kind"}
+    assert not gate(without_kinds, old, cfg)[0]  # the overall comparison alone would roll it back
+    worse = stats((0.05, 20), (0.5, 4))  # worse on both kinds
+    ok, why = gate(worse, old, cfg)
+    assert not ok and "within each kind" in why, why
+    # a kind only one side was judged on does not count; none in common: the overall drop decides
+    only_new_kind = stats((0.05, 20), (0.95, 0))
+    only_new_kind["by_kind"] = {"agent": {"acceptance": 0.05, "judged": 20}}
+    old_single = dict(old, by_kind={"single": {"acceptance": 0.95, "judged": 240}})
+    assert stratified_drop(only_new_kind, old_single) is None
+    assert not gate(only_new_kind, old_single, cfg)[0]
+    drop, se = stratified_drop(worse, old)  # type: ignore[misc]
+    assert drop == pytest.approx((140 * 0.35 + 244 * 0.45) / 384) and se > 0

@@ -215,3 +215,24 @@ def test_hostile_signal_bodies_get_a_clear_400() -> None:
         assert answer.status_code == 400, (body[:20], answer.text)
         assert "not JSON" in answer.json()["error"]["message"]
     assert gw.errors["BadRequestError"] == 3
+
+
+def test_signals_on_agent_sessions_and_on_single_requests_are_judged_apart(one_engine, db) -> None:  # type: ignore[no-untyped-def]
+    """The gate compares agent sessions with agent sessions: ``/gateway/metrics`` keeps their signals
+    apart from single requests', each kind with the same robust mean."""
+    _r, plugin = create_key(db, "plugin")
+    with keyed_gateway(one_engine.url, db, gate_signals_per_user=3, user_signal_burst=100) as url:
+        agent = f"agent-{uuid.uuid4().hex[:8]}"
+        for turn in range(2):
+            chat = {"model": "undertow-policy", "messages": [{"role": "user", "content": "def add"}], "max_tokens": 2}
+            headers = {**bearer(plugin), "x-session-id": agent, "x-turn-index": str(turn)}
+            body = {**chat, "user": "dev"}
+            response = httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
+            assert response.status_code == 200, response.text
+        assert signal(url, plugin, type="edit.rejected", session_id=agent, user_id="dev").status_code == 202
+        assert signal(url, plugin, type="edit.rejected", session_id=f"{agent}.t1", user_id="dev").status_code == 202
+        for _ in range(3):
+            sid = complete(url, plugin, "dev").json()["choices"][0]["session_id"]
+            assert signal(url, plugin, type="edit.accepted", session_id=sid, user_id="dev").status_code == 202
+        kinds = metrics(url)["versions"]["v0"]["by_kind"]
+    assert kinds == {"agent": {"acceptance": 0.0, "judged": 2}, "single": {"acceptance": 1.0, "judged": 3}}
