@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field, SecretStr
 
 
@@ -49,17 +51,35 @@ class GatewayConfig(BaseModel):
     """How often the gateway reloads the set of replicas in rotation from the registry."""
     spool_dir: str = "gateway-spool"
     """Directory (under the Undertow home) of telemetry buffered while Kafka is unreachable."""
-    spool_max_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
-    """Bound of the on-disk telemetry buffer; the oldest events are dropped (and counted) beyond it."""
+    spool_max_bytes: int = Field(default=8 * 1024 * 1024 * 1024, ge=1024)
+    """Ceiling of the on-disk telemetry buffer whatever ``spool_hours`` asks for (see ``docs/telemetry.md``,
+    "When Kafka is down"): at the cap new completions get 503 and signals are shed, counted by type."""
+    spool_hours: float | None = Field(default=1.0, gt=0)
+    """Hours of Kafka outage the spool holds: the cap is this many hours of telemetry at
+    ``spool_events_per_s`` (else the busiest minute of the last hour) times the mean event size, within
+    ``spool_max_bytes`` and the disk's free space; None: ``spool_max_bytes``."""
+    spool_events_per_s: float | None = Field(default=None, gt=0)
+    """Telemetry events per second to size the spool for (peak); None: measured."""
+    spool_min_free_bytes: int = Field(default=1024 * 1024 * 1024, ge=0)
+    """Disk space the spool always leaves free for the rest of the host."""
+    spool_signal_share: float = Field(default=0.8, gt=0, le=1)
+    """Signals are shed (503 to the client, counted) once the spool holds more than this share of its cap;
+    the rest is kept for ``session.completed``."""
+    spool_full_policy: Literal["backpressure", "drop"] = "backpressure"
+    """At the cap: ``backpressure`` refuses new completions with 503 and ``Retry-After`` (no session is
+    lost); ``drop`` keeps serving and drops their ``session.completed`` events (counted, logged)."""
+    backpressure_retry_after_s: float = Field(default=5.0, gt=0)
+    """``Retry-After`` of a 503 sent because the telemetry spool is full."""
     emit_queue_size: int = Field(default=10_000, ge=1)
-    """Events held in memory before they spill to disk."""
+    """Events held in memory between a request and the telemetry router thread, which moves them to Kafka or
+    to disk as they come; while it is full, signals and new completions get 503."""
     signal_max_skew_s: float = Field(default=300.0, ge=0)
     """A signal whose ``occurred_at`` is later than the gateway's clock plus this is refused (422)."""
     require_keys: bool = True
     """Clients must present an API key (``undertow gateway-keys create``); off only on a closed test bench."""
     key_refresh_s: float = Field(default=5.0, gt=0)
     """How often the gateway re-reads its keys: a created or revoked key takes effect within this."""
-    metrics_key: str | None = None
+    metrics_key: SecretStr | None = None
     """A key, held in the settings, that may read ``/gateway/metrics`` (the loop's deployer sends it); keys in
     the database with the ``metrics`` scope may too."""
     signing_key_id: str = "gateway"

@@ -20,6 +20,10 @@ replicas, whole or streamed.
   fails before its first chunk is replaced, and a client that leaves closes the engine's stream,
   which stops the generation. Telemetry records what was served, with ``abort`` then.
 - Errors come in OpenAI's shape and are counted by type in ``/gateway/metrics``.
+- Every request body is capped while it streams in (:mod:`serving.limits`, ``max_body_bytes``: 413).
+- While Kafka is down telemetry goes to a disk spool sized in hours of traffic; when it is full,
+  signals are refused and new completions too (503 with ``Retry-After``, ``TelemetryBackPressure``)
+  rather than served with telemetry that would be lost (:mod:`serving.telemetry`).
 - ``POST /v1/signals``: an editor's signal (accept/reject, retention, selection, switch,
   thumbs, ...) is validated against the wire schema, checked by :mod:`serving.trust` (not dated
   in the future, from the session's own user, each ``event_id`` once) and forwarded to Kafka.
@@ -46,6 +50,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+import anyio
 import httpx
 import structlog
 from fastapi import FastAPI, Request
@@ -249,6 +254,27 @@ class Gateway:
         response.headers["retry-after"] = Buckets.retry_after(wait_s)
         return response
 
+    def telemetry_full(self, kind: str) -> JSONResponse | None:
+        """A 503 with ``Retry-After`` when the telemetry spool cannot keep an event of type ``kind`` (Kafka
+        down for longer than the spool holds, see :mod:`serving.telemetry`), else None. For
+        ``session.completed`` only under ``spool_full_policy = "backpressure"``."""
+        if self.emitter is None or self.emitter.admits(kind):
+            return None
+        if kind == "session.completed" and self.config.spool_full_policy != "backpressure":
+            return None
+        return self._telemetry_refusal(kind)
+
+    def _telemetry_refusal(self, kind: str) -> JSONResponse:
+        wait = self.config.backpressure_retry_after_s
+        response = self.fail(
+            503,
+            f"telemetry is buffered on disk while Kafka is unreachable and the buffer is full; {kind} is not "
+            f"taken now, retry in {wait:.0f} s",
+            "TelemetryBackPressure",
+        )
+        response.headers["retry-after"] = Buckets.retry_after(wait)
+        return response
+
     def refuse(self, refusal: Refusal) -> JSONResponse:
         """A trust refusal as an error answer, counted by its kind."""
         return self.fail(refusal.status, refusal.message, refusal.kind)
@@ -319,6 +345,9 @@ class Gateway:
             return self.fail(
                 400, f"prompt is {len(req.prompt)} characters; the limit is {self.config.max_prompt_chars}"
             )
+        full = self.telemetry_full("session.completed")
+        if full is not None:
+            return full
         body = req.model_dump(exclude={"user", "session_id", "candidates", "model"}, exclude_none=True)
         body.update(n=k, return_token_ids=True, logprobs=req.logprobs or 0)
         session = req.session_id or session_header
@@ -358,6 +387,9 @@ class Gateway:
         chars = sum(len(m.text()) for m in req.messages)
         if chars > self.config.max_prompt_chars:
             return self.fail(400, f"the messages hold {chars} characters; the limit is {self.config.max_prompt_chars}")
+        full = self.telemetry_full("session.completed")
+        if full is not None:
+            return full
         session = req.linked_session(session_header)
         if session is not None and not 0 < len(session) <= turns.MAX_SESSION_ID:
             return self.fail(400, f"a session id is 1 to {turns.MAX_SESSION_ID} characters")
@@ -547,7 +579,10 @@ class Gateway:
             self.inflight[rep.id] -= 1
             if not stream.finished and not broken:
                 self.errors["ClientAbandonedStream"] += 1
-            served = await stream.close()
+            # Shielded: a client that hangs up once it has read [DONE] (the openai SDK does) cancels this
+            # response while the engine's stream is being closed, and the served turn lost its telemetry.
+            with anyio.CancelScope(shield=True):
+                served = await stream.close()
             req.latency_ms = (time.perf_counter() - start) * 1000
             req.prompt_token_ids = stream.prompt_token_ids or req.prompt_token_ids
             self._count(req.version, req.latency_ms)
@@ -582,10 +617,10 @@ class Gateway:
         wait = self.signal_rate.take(f"{client.name}\x00{event.user_id}") if event.user_id else 0.0
         if wait:
             return self.limited(wait, f"user {event.user_id} is over their signal rate")
+        if self.emitter is not None and not self.emitter.emit(event.model_dump(mode="json", exclude_none=True)):
+            return self._telemetry_refusal(event.type)  # shed, counted; not remembered: the client may send it again
         self.trust.accepted(event.event_id)
         self._score(event.type, event.session_id, event.payload.model_dump())
-        if self.emitter is not None:
-            self.emitter.emit(event.model_dump(mode="json", exclude_none=True))
         return JSONResponse({"accepted": True, "event_id": event.event_id}, status_code=202)
 
     def _score(self, kind: str, session_id: str | None, payload: dict[str, Any]) -> None:
@@ -607,7 +642,7 @@ class Gateway:
             "errors": dict(self.errors),
         }
         if self.emitter is not None:
-            out["telemetry"] = dict(self.emitter.stats)
+            out["telemetry"] = self.emitter.snapshot()
         return out
 
 

@@ -1,11 +1,18 @@
 """A request-body limit as plain ASGI middleware, in front of the gateway's routes.
 
-A body declared larger than the limit (``content-length``) is refused before the app runs; the
-server delivers no more than the declared length. A body without a declared length (chunked) is
+Every request's body is counted as it streams in, whatever it declares: a body declared larger
+than the limit (``content-length``) is refused before a byte of it is read, and any other body is
 read only up to the limit: one byte more and the request is refused, so a client cannot make the
-gateway hold more than the limit in memory. The refusal is the app's own error answer (OpenAI's
-shape, counted). Unlike ``@app.middleware("http")``, nothing wraps the response: a streamed
-answer goes to the client chunk by chunk with no extra hop.
+gateway hold more than the limit in memory. The declared length is never trusted on its own: a
+request that carries ``transfer-encoding: chunked`` beside a small ``content-length`` is framed by
+the chunks (HTTP/1.1: chunked wins), and such a request used to reach the app unbounded. The body,
+at most ``limit`` bytes, is handed to the app as one message. The refusal is the app's own error
+answer (OpenAI's shape, counted). What the client still sends after a refusal is read and
+discarded by the server, never held.
+
+Unlike ``@app.middleware("http")``, nothing wraps the response: a streamed answer goes to the
+client chunk by chunk with no extra hop. Left out: a deadline on slow bodies (a client that sends
+a byte a minute holds a connection, not memory); that belongs to the proxy in front.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
 class BodyLimit:
-    """Refuse POST bodies over ``limit`` bytes with ``refuse(limit)``'s response."""
+    """Refuse request bodies over ``limit`` bytes with ``refuse(limit)``'s response."""
 
     def __init__(self, app: ASGIApp, limit: int, refuse: Callable[[int], Response]) -> None:
         self.app = app
@@ -25,15 +32,12 @@ class BodyLimit:
         self.refuse = refuse
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("method") != "POST":
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         declared = _header(scope, b"content-length")
-        if declared is not None:
-            if not declared.isdigit() or int(declared) > self.limit:
-                await self.refuse(self.limit)(scope, receive, send)
-                return
-            await self.app(scope, receive, send)
+        if declared is not None and (not (declared.isascii() and declared.isdigit()) or int(declared) > self.limit):
+            await self.refuse(self.limit)(scope, receive, send)
             return
         chunks: list[bytes] = []
         size = 0
