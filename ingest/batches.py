@@ -64,7 +64,8 @@ from ingest import schemas
 from ingest.config import IngestConfig
 from ingest.db import make_engine, transaction
 from ingest.fastpath import FastEvent, fast_parse
-from ingest.rows import Codec, codec_for
+from ingest.redaction import RedactionSpec, redactor_for
+from ingest.rows import Codec, codec_for, redacting
 from ingest.signing import SigningKey, verify
 from ingest.writer import (
     DeadLetter,
@@ -115,6 +116,8 @@ class BatchContext:
     signing_keys: tuple[SigningKey, ...] = ()
     """The keys records must be signed by (``ingest.signing_keys``); empty: nothing is checked. The writer
     processes get them with the context."""
+    redaction: RedactionSpec | None = None
+    """Secrets redacted from free text before storage (``ingest.redaction``); None: off."""
 
 
 class Pending(Protocol):
@@ -186,6 +189,8 @@ def prepare_batch(
     """Verify (with signing keys), validate a batch and build its rows (no database needed)."""
     keys = {k.key_id: k for k in ctx.signing_keys} if ctx.signing_keys else None
     deliveries, letters = parse_records(records, ctx.max_message_bytes, keys)
+    if ctx.redaction is not None:
+        codec = redacting(codec, redactor_for(ctx.redaction))
     return prepare_events(codec, deliveries), letters
 
 

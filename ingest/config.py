@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 
 class KafkaConfig(BaseModel):
@@ -24,6 +24,27 @@ class KafkaConfig(BaseModel):
     """Heartbeat interval of group members."""
     max_message_bytes: int = 1 << 20
     """Messages larger than this are dead-lettered with reason ``oversized``."""
+
+
+class RedactionConfig(BaseModel):
+    """Secrets in prompts and code replaced by markers before they are stored (:mod:`ingest.redaction`)."""
+
+    enabled: bool = True
+    """Redact prompts, segments, completions and ``code.retained`` final texts with ``detect-secrets``."""
+    marker: str = "[REDACTED:{type}]"
+    """What replaces a secret; ``{type}`` is the detector's name (``AWS Access Key``, ``GitHub Token``, ...)."""
+    disabled_detectors: list[str] = Field(default_factory=lambda: ["Public IP (ipv4)"])
+    """``detect-secrets`` detectors not run, by secret type (an address in code is not a secret)."""
+    base64_entropy_limit: float = Field(default=4.5, ge=0, le=8)
+    """Shannon entropy above which a quoted base64 string counts as a secret (the library's default)."""
+    hex_entropy_limit: float = Field(default=3.0, ge=0, le=8)
+    """Shannon entropy above which a quoted hex string counts as a secret (the library's default)."""
+
+    @field_validator("marker")
+    @classmethod
+    def _valid_marker(cls, value: str) -> str:
+        value.format(type="x")  # raises on a stray brace
+        return value
 
 
 class IngestConfig(BaseModel):
@@ -59,7 +80,7 @@ class IngestConfig(BaseModel):
     """While consuming: objects allocated between young garbage collections (Python's default is 700);
     long-lived objects are frozen out of the collector at start (in the writer processes too). 0 leaves the
     collector as it is."""
-    signing_keys: dict[str, str] = Field(default_factory=dict)
+    signing_keys: dict[str, SecretStr] = Field(default_factory=dict)
     """Producer keys, key id -> secret (:mod:`ingest.signing`; ``undertow telemetry-keys new NAME`` makes one). When
     non-empty, every record must carry an HMAC-SHA256 signature by one of them in its ``undertow-key-id`` and
     ``undertow-signature`` headers, else it is a dead letter with reason ``unsigned`` (no signature) or
@@ -78,14 +99,18 @@ class IngestConfig(BaseModel):
     """How often the consumer looks for signals that waited longer than ``unmatched_signal_ttl_s`` (a bounded
     query on the signals' primary key and the sessions' index, then one transaction per chunk)."""
 
+    redaction: RedactionConfig = Field(default_factory=RedactionConfig)
+    """Secrets redacted before storage."""
+    retention_days: int = Field(default=180, ge=0)
+    """Sessions, signals, dead letters and duplicates older than this many days are deleted by the
+    ``undertow.enforce_retention`` beat job (``undertow users retention`` runs it by hand); 0 keeps them."""
+    retention_interval_s: float = Field(default=3600.0, gt=0)
+    """How often the retention beat job runs."""
+
     @field_validator("signing_keys")
     @classmethod
-    def _valid_keys(cls, value: dict[str, str]) -> dict[str, str]:
+    def _valid_keys(cls, value: dict[str, SecretStr]) -> dict[str, SecretStr]:
         from ingest.signing import keyring
 
         keyring(value)  # raises on a bad key id or a short secret
         return value
-
-    @field_serializer("signing_keys", when_used="json")
-    def _hide_secrets(self, value: dict[str, str]) -> dict[str, str]:
-        return dict.fromkeys(value, "<secret>")

@@ -72,6 +72,7 @@ from ingest.batches import BatchContext, Pending, RawRecord, SignedRecord, make_
 from ingest.config import IngestConfig, KafkaConfig
 from ingest.db import transaction
 from ingest.dlq import topic_headers
+from ingest.redaction import spec_of
 from ingest.signing import keyring
 from ingest.unmatched import UnmatchedSweeper
 from ingest.unreadable import UnreadableBatch, classify
@@ -317,6 +318,7 @@ class IngestConsumer:
             self.cfg.retry_max_s,
             self.cfg.gc_threshold,
             self._signing_keys,
+            spec_of(self.cfg.redaction),
         )
         try:
             # Before the Kafka clients start their threads: the writer processes start here.

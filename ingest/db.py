@@ -91,8 +91,10 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
     """Create an engine for ``url``; SQLite gets WAL, a busy timeout and foreign keys."""
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
-        if parsed.database and parsed.database != ":memory:":
-            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        if parsed.database and parsed.database != ":memory:" and not parsed.database.startswith("file:"):
+            from ingest.private import private_dir, private_file
+
+            private_file(private_dir(Path(parsed.database).parent) / Path(parsed.database).name)
         kwargs.setdefault("connect_args", {"timeout": 30, "check_same_thread": False})
         engine = create_engine(url, **kwargs)
 

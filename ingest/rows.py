@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import sqlite3
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from functools import cache
 from typing import Any, cast
@@ -94,6 +94,9 @@ class Codec:
     """The driver's base exception class (re-raised as SQLAlchemy's ``DBAPIError``)."""
     text: Callable[[str | None], str | None] = lambda text: text
     """Free text (prompts, completions, segments) as the database can hold it."""
+    redact: Callable[[str | None], str | None] | None = None
+    """Secrets redaction (:func:`redacting`), already part of :attr:`text`; also applied to the final text
+    of ``code.retained``."""
 
     @cache  # noqa: B019 (codecs are module-level singletons, never freed)
     def insert(self, table: str, columns: tuple[str, ...], skip_conflicts: bool) -> str:
@@ -128,6 +131,12 @@ def codec_for(dialect: str) -> Codec:
         # server as untyped text, which the json column parses (no wrapper object per row).
         return Codec("postgresql", "%s", as_utc, _same, psycopg.Error, no_nul)
     raise RuntimeError(f"Unsupported database dialect {dialect!r}: use SQLite or PostgreSQL.")
+
+
+def redacting(codec: Codec, redact: Callable[[str | None], str | None]) -> Codec:
+    """``codec`` with every free text (and ``code.retained``'s final text) passed through ``redact`` first."""
+    base = codec.text
+    return replace(codec, text=lambda text: base(redact(text)), redact=redact)
 
 
 _PLAIN = Codec("plain", "?", as_utc, JsonText, Exception)
@@ -170,6 +179,12 @@ def signal_values(event: Event, received: Any, codec: Codec) -> Row:
     """A ``signals`` row (:data:`SIGNAL_COLUMNS`) for a non-session event; ``received`` is already bound."""
     payload: Any = event.payload
     kind = event.type
+    if codec.redact is not None and kind == schemas.CODE_RETAINED and payload.final_text:
+        final_text = codec.redact(payload.final_text)
+        if isinstance(payload, msgspec.Struct):
+            payload = msgspec.structs.replace(payload, final_text=final_text)
+        else:
+            payload = payload.model_copy(update={"final_text": final_text})
     return (
         event.event_id,
         kind,

@@ -24,6 +24,8 @@ import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from pydantic import SecretStr
+
 KEY_HEADER = "undertow-key-id"
 SIGNATURE_HEADER = "undertow-signature"
 MAX_KEY_ID = 64
@@ -61,9 +63,13 @@ def new_secret() -> str:
     return secrets.token_urlsafe(32)
 
 
-def keyring(spec: Mapping[str, str]) -> dict[str, SigningKey]:
+def keyring(spec: Mapping[str, SecretStr | str]) -> dict[str, SigningKey]:
     """Keys by id from a ``{key_id: secret}`` mapping (the ``ingest.signing_keys`` setting)."""
-    return {key_id: SigningKey(key_id, secret.encode()) for key_id, secret in spec.items()}
+    return {key_id: SigningKey(key_id, _plain(secret).encode()) for key_id, secret in spec.items()}
+
+
+def _plain(secret: SecretStr | str) -> str:
+    return secret.get_secret_value() if isinstance(secret, SecretStr) else secret
 
 
 def _header(headers: Iterable[tuple[str, bytes | None]] | None, name: str) -> bytes | None:

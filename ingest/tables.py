@@ -165,3 +165,26 @@ class UnreadableBatchRow(Base):
     """Failed reads recorded for this partition, all offsets together."""
     first_at: Mapped[datetime] = mapped_column(UTCDateTime)
     last_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class ForgottenUserRow(Base):
+    """A user whose data was deleted on request (``undertow users forget``): the tombstone ingest checks.
+
+    Only the SHA-256 of the user id is kept, enough to recognize the user's late-arriving events
+    (they are dropped and counted in ``dropped_events``, never stored) without keeping the id itself.
+    """
+
+    __tablename__ = "forgotten_users"
+
+    user_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    """Hex SHA-256 of the user id (:func:`ingest.forget.user_hash`)."""
+    forgotten_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    requested_by: Mapped[str] = mapped_column(String(128))
+    """Who asked (the operator token's name, or ``cli``)."""
+    deleted: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    """Rows deleted per table, summed over every request for this user."""
+    flagged: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    """Versions flagged as trained on the user's rows: ``{"reward_models": [...], "policy_versions": [...]}``."""
+    dropped_events: Mapped[int] = mapped_column(BigInteger, default=0)
+    """Events for this user that arrived after it was forgotten and were dropped by ingest."""
+    last_dropped_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

@@ -37,6 +37,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from ingest import fastpath, schemas
+from ingest.forget import count_dropped, forgotten_among, lock_shared
 from ingest.pgcopy import RowEncoder
 from ingest.rows import (
     DUPLICATE_COLUMNS,
@@ -122,6 +123,8 @@ class WriteResult:
     duplicates: int = 0
     stored_ids: list[str] = field(default_factory=list)
     duplicate_ids: list[str] = field(default_factory=list)
+    dropped: int = 0
+    """Events of forgotten users (:mod:`ingest.forget`): neither stored nor duplicates, counted on their tombstone."""
 
 
 def _codec(session: Session) -> Codec:
@@ -370,6 +373,7 @@ def write_prepared(session: Session, prepared: PreparedEvents, pending: InFlight
     items, codec, received_at = prepared.items, prepared.codec, prepared.received_at
     if not items:
         return result
+    dropped = _forgotten_events(session, prepared)
     already = existing_event_ids(session, prepared.first)
     pending_sessions: frozenset[str] = frozenset()
     if pending is not None:
@@ -379,16 +383,19 @@ def write_prepared(session: Session, prepared: PreparedEvents, pending: InFlight
     dupes: list[Delivery] = []
     for d in items:
         eid = d.event.event_id
+        if eid in dropped:
+            continue
         if eid in already or eid in fresh:
             dupes.append(d)
         else:
             fresh[eid] = d
 
     streams = None
-    if prepared.copied is not None and not already and pending_sessions.isdisjoint(prepared.copied[0].segments):
+    skipped = already | dropped.keys()
+    if prepared.copied is not None and not skipped and pending_sessions.isdisjoint(prepared.copied[0].segments):
         rows, streams = prepared.copied  # built for the batch with nothing stored before
     else:
-        rows = new_rows(prepared.first, already, pending_sessions)
+        rows = new_rows(prepared.first, skipped, pending_sessions)
     if codec.dialect == "postgresql" and _copy_new(session, codec, rows, streams):
         inserted = {row[SESSION_EVENT_ID] for row in rows.sessions} | {row[0] for row in rows.signals}
     else:
@@ -408,11 +415,32 @@ def write_prepared(session: Session, prepared: PreparedEvents, pending: InFlight
         received = codec.ts(received_at)
         dupe_rows = [(d.event.event_id, d.topic, d.partition, d.offset, received) for d in dupes]
         _executemany(session, codec, _DUPLICATES, DUPLICATE_COLUMNS, dupe_rows, skip_conflicts=False)
+    if dropped:
+        per_user: dict[str, int] = {}
+        for uid in dropped.values():
+            per_user[uid] = per_user.get(uid, 0) + 1
+        count_dropped(session, per_user)
+    result.dropped = len(dropped)
     result.stored = len(inserted)
     result.stored_ids = [eid for eid in fresh if eid in inserted]
     result.duplicates = len(dupes)
     result.duplicate_ids = [d.event.event_id for d in dupes]
     return result
+
+
+_SESSION_USER = SESSION_COLUMNS.index("user_id")
+_SIGNAL_USER = SIGNAL_COLUMNS.index("user_id")
+
+
+def _forgotten_events(session: Session, prepared: PreparedEvents) -> dict[str, str]:
+    """``event_id -> user_id`` of the batch's events whose user was forgotten (after waiting for a forget in
+    progress: :func:`ingest.forget.lock_shared`)."""
+    lock_shared(session)
+    users = {
+        eid: row[_SESSION_USER if segs is not None else _SIGNAL_USER] for eid, (_, row, segs) in prepared.first.items()
+    }
+    forgotten = forgotten_among(session, users.values())
+    return {eid: uid for eid, uid in users.items() if uid in forgotten}
 
 
 _COPY = {

@@ -38,5 +38,8 @@ class PolicyVersionRow(Base):
     metrics: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     """Namespaced training and evaluation metrics (``loss/*``, ``eval/*``, ...)."""
     checkpoint_path: Mapped[str] = mapped_column(Text)
+    trained_on_forgotten: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    """Forgotten users (``undertow users forget``) whose rollouts were in this version's training data or in an
+    ancestor's (the weights carry them on); nonzero: retrain before relying on it."""
     """Hugging Face checkpoint directory of this version."""
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)

@@ -501,7 +501,9 @@ def save_state(
     """
     model_state, optim_state = model_and_optim_state(model, opt)
     if is_main():
-        path.mkdir(parents=True, exist_ok=True)
+        from ingest.private import private_dir
+
+        private_dir(path)  # 0700: the state was trained on users' data
         tmp = path / (STATE_FILE + ".tmp")
         torch.save({"model": model_state, "optim": optim_state, "step": step, "extra": extra}, tmp)
         os.replace(tmp, path / STATE_FILE)

@@ -14,8 +14,9 @@ from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session
 
-from ingest.db import transaction
+from ingest.db import as_utc, transaction
 from policy.tables import PolicyVersionRow
 
 
@@ -83,3 +84,37 @@ def record_version(
         db.flush()
         db.expunge(row)
     return row
+
+
+def flag_trained_on(session: Session, times: list[tuple[datetime, datetime]]) -> list[str]:
+    """Flag the versions trained on a forgotten user's rollouts (``times``: their ``(occurred_at,
+    received_at)``), and every descendant of one (its weights carry the update on); returns their ids.
+
+    A version trained on a rollout when the rollout lies in its data window (``data_start`` .. ``data_end``)
+    and was stored before the version was created: conservative, as the window is what the table records
+    of the training data. Versions trained on offline task data only (no window) are not flagged.
+    """
+    if not times:
+        return []
+    rows = list(session.scalars(select(PolicyVersionRow)))
+    direct: set[str] = set()
+    for row in rows:
+        if row.data_start is None or row.data_end is None:
+            continue
+        start, end, created = as_utc(row.data_start), as_utc(row.data_end), as_utc(row.created_at)
+        if any(start <= as_utc(o) <= end and as_utc(r) <= created for o, r in times):
+            direct.add(row.version_id)
+    children: dict[str, list[str]] = {}
+    for row in rows:
+        if row.parent_id is not None:
+            children.setdefault(row.parent_id, []).append(row.version_id)
+    flagged, todo = set(direct), list(direct)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in flagged:
+                flagged.add(child)
+                todo.append(child)
+    for row in rows:
+        if row.version_id in flagged:
+            row.trained_on_forgotten = (row.trained_on_forgotten or 0) + 1
+    return sorted(flagged)

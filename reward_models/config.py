@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SecretStr
 
 
 class JudgeConfig(BaseModel):
@@ -38,7 +38,7 @@ class JudgeConfig(BaseModel):
     """Base URL of the OpenAI-compatible API (``/chat/completions`` is appended)."""
     model: str = "judge"
     """Model name sent in each request."""
-    api_key: str | None = None
+    api_key: SecretStr | None = None
     """Bearer token, if the endpoint needs one."""
     dimensions: dict[str, str] = Field(
         default_factory=lambda: {

@@ -73,7 +73,7 @@ def ask(client: httpx.Client, config: JudgeConfig, rubric: str, prompt: str, com
 
 def make_client(config: JudgeConfig) -> httpx.Client:
     """HTTP client for the judge endpoint."""
-    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    headers = {"Authorization": f"Bearer {config.api_key.get_secret_value()}"} if config.api_key else {}
     return httpx.Client(base_url=config.base_url.rstrip("/"), timeout=config.timeout_s, headers=headers)
 
 

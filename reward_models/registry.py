@@ -19,7 +19,7 @@ from sqlalchemy import func, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
-from ingest.db import transaction
+from ingest.db import as_utc, transaction
 from reward_models.models import RewardBundle
 from reward_models.tables import RewardModelRow
 
@@ -126,6 +126,7 @@ def list_versions(engine: Engine) -> list[dict[str, Any]]:
         "window_start",
         "window_end",
         "reason",
+        "trained_on_forgotten",
     ]
     with engine.connect() as conn:
         rows = conn.execute(select(*(table.c[k] for k in keys)).order_by(table.c.created_at.desc())).mappings().all()
@@ -174,3 +175,39 @@ def register(
                 old.status = RETIRED
         session.add(row)
     return row
+
+
+def _covers(
+    start: datetime | None, end: datetime | None, created: datetime, times: list[tuple[datetime, datetime]]
+) -> bool:
+    """True when one ``(occurred_at, received_at)`` falls in ``[start, end]`` and was stored before ``created``."""
+    created = as_utc(created)
+    for occurred, received in times:
+        if as_utc(received) > created:
+            continue
+        if start is not None and as_utc(occurred) < as_utc(start):
+            continue
+        if end is not None and as_utc(occurred) > as_utc(end):
+            continue
+        return True
+    return False
+
+
+def flag_trained_on(session: Session, times: list[tuple[datetime, datetime]]) -> list[str]:
+    """Flag the versions whose training data held a forgotten user's sessions (``times``: their
+    ``(occurred_at, received_at)``); returns their ids.
+
+    A version was trained on a session when the session lies in the version's data window
+    (``window_start`` .. ``window_end``, the oldest and newest session ``occurred_at`` it trained on) and
+    had been stored before the version was created. That is conservative: a session in the window
+    without a label, or left out by the per-user share cap, counts too; the rows themselves are not
+    recorded per version, and the window with the creation time is the registry's record of them.
+    """
+    if not times:
+        return []
+    flagged = []
+    for row in session.scalars(select(RewardModelRow)):
+        if row.n_labeled and _covers(row.window_start, row.window_end, row.created_at, times):
+            row.trained_on_forgotten = (row.trained_on_forgotten or 0) + 1
+            flagged.append(row.version)
+    return sorted(flagged)

@@ -40,6 +40,9 @@ class RewardModelRow(Base):
     reference_scores: Mapped[list[float]] = mapped_column(JSON, default=list)
     """A sample of hold-out scores: the reference distribution for drift detection."""
     promoted_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    trained_on_forgotten: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    """Forgotten users (``undertow users forget``) whose rows were in this version's training data; nonzero:
+    retrain before relying on it (:func:`reward_models.registry.flag_trained_on`)."""
 
 
 class JudgeScoreRow(Base):

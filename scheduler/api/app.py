@@ -36,6 +36,7 @@ TAGS = [
     {"name": "gateway-keys", "description": "API keys of the gateway's client integrations: create, list, revoke."},
     {"name": "rewards", "description": "Online reward signals per policy version, and proxy-vs-real divergence."},
     {"name": "sessions", "description": "Served sessions (prompts and code only for callers allowed to read them)."},
+    {"name": "users", "description": "Users' data: forget a user (operators only)."},
     {"name": "audit", "description": "Who did what, when (operators only)."},
     {"name": "ops", "description": "Health and Prometheus metrics."},
 ]
@@ -64,6 +65,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         reward_models,
         rewards,
         sessions,
+        users,
     )
 
     if engine is None:
@@ -88,14 +90,23 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     app.state.engine = engine
     app.state.templates = Jinja2Templates(directory=str(HERE / "templates"))
 
-    for router in (jobs, policies, reward_models, deployments, fleet, gateway_keys, rewards, sessions, audit):
+    for router in (jobs, policies, reward_models, deployments, fleet, gateway_keys, rewards, sessions, users, audit):
         app.include_router(router.router, prefix=API_PREFIX)
     app.include_router(ops.router)
     app.include_router(dashboards.router)
     app.mount("/static", StaticFiles(directory=str(HERE / "static")), name="static")
 
-    # Added innermost first: requests pass the size limit, then the rate limit, then the audit log.
-    app.add_middleware(AuditLog, engine=engine)
-    app.add_middleware(RateLimit, per_minute=settings.api.rate_limit_per_minute, burst=settings.api.rate_limit_burst)
+    # Added innermost first: requests pass the proxy headers, the audit log, the rate limit, then the size limit.
     app.add_middleware(BodySizeLimit, max_bytes=settings.api.max_body_bytes)
+    app.add_middleware(
+        RateLimit,
+        per_minute=settings.api.rate_limit_per_minute,
+        burst=settings.api.rate_limit_burst,
+        engine=engine,
+    )
+    app.add_middleware(AuditLog, engine=engine)
+    if settings.api.trusted_proxies:
+        from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
+
+        app.add_middleware(ProxyHeadersMiddleware, trusted_hosts=list(settings.api.trusted_proxies))
     return app

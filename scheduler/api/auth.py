@@ -11,14 +11,14 @@ from __future__ import annotations
 import hashlib
 import secrets
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
-from ingest.db import all_rows, revoke_named, transaction
+from ingest.db import all_rows, as_utc, revoke_named, transaction
 from scheduler.api.tables import ApiTokenRow, AuditRow
 
 Role = Literal["viewer", "operator"]
@@ -33,6 +33,8 @@ class Principal:
 
     name: str
     role: str
+    token_id: int | None = None
+    last_used_at: datetime | None = None
 
     def can(self, role: str) -> bool:
         """True when this principal's role includes ``role``."""
@@ -49,8 +51,11 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode("utf-8")).hexdigest()
 
 
-def create_token(engine: Engine, name: str, role: str) -> tuple[ApiTokenRow, str]:
-    """Store a new token named ``name`` with ``role``; returns the row and the clear token."""
+def create_token(engine: Engine, name: str, role: str, ttl_days: float | None = None) -> tuple[ApiTokenRow, str]:
+    """Store a new token named ``name`` with ``role``, expiring after ``ttl_days`` (None or 0: never); returns
+    the row and the clear token."""
+    if ttl_days is not None and not 0 <= ttl_days <= 36500:
+        raise ValueError("a token's lifetime is 0 (never expires) to 36500 days")
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}: use one of {', '.join(ROLES)}")
     if not name or len(name) > 128:
@@ -59,12 +64,14 @@ def create_token(engine: Engine, name: str, role: str) -> tuple[ApiTokenRow, str
     with transaction(engine) as session:
         if session.scalar(select(ApiTokenRow.id).where(ApiTokenRow.name == name)) is not None:
             raise ValueError(f"a token named {name!r} exists already: pick another name or revoke it first")
+        now = datetime.now(UTC)
         row = ApiTokenRow(
             name=name,
             token_hash=hash_token(token),
             prefix=token[:10],
             role=role,
-            created_at=datetime.now(UTC),
+            created_at=now,
+            expires_at=now + timedelta(days=ttl_days) if ttl_days else None,
         )
         session.add(row)
     return row, token
@@ -80,14 +87,32 @@ def list_tokens(engine: Engine) -> list[ApiTokenRow]:
     return all_rows(engine, ApiTokenRow)
 
 
-def resolve_token(session: Session, token: str) -> Principal | None:
-    """The principal a clear token belongs to, or None (unknown, revoked or malformed)."""
+def resolve_token(session: Session, token: str, now: datetime | None = None) -> Principal | None:
+    """The principal a clear token belongs to, or None (unknown, revoked, expired or malformed)."""
     if not token.startswith(TOKEN_PREFIX) or len(token) > 128:
         return None
     row = session.scalar(select(ApiTokenRow).where(ApiTokenRow.token_hash == hash_token(token)))
     if row is None or row.revoked_at is not None:
         return None
-    return Principal(name=row.name, role=row.role)
+    if row.expires_at is not None and as_utc(row.expires_at) <= (now or datetime.now(UTC)):
+        return None
+    return Principal(name=row.name, role=row.role, token_id=row.id, last_used_at=row.last_used_at)
+
+
+def touch(session: Session, principal: Principal, interval_s: float, now: datetime | None = None) -> bool:
+    """Write the token's ``last_used_at`` when the stored one is older than ``interval_s`` (and commit);
+    True when it wrote. Throttled so a busy client costs a write per interval, not per request."""
+    now = now or datetime.now(UTC)
+    last = principal.last_used_at
+    if principal.token_id is None or (last is not None and (now - as_utc(last)).total_seconds() < interval_s):
+        return False
+    session.execute(update(ApiTokenRow).where(ApiTokenRow.id == principal.token_id).values(last_used_at=now))
+    session.commit()
+    return True
+
+
+def _text(value: str) -> str:
+    return value.replace("\x00", "\ufffd")
 
 
 def record_audit(
@@ -102,7 +127,8 @@ def record_audit(
     client: str | None,
     detail: dict[str, Any] | None = None,
 ) -> None:
-    """Append one entry to the audit log."""
+    """Append one entry to the audit log (a NUL, which PostgreSQL text cannot hold, stored as U+FFFD)."""
+    actor, method, path, action = (_text(v) for v in (actor, method, path, action))
     with transaction(engine) as session:
         session.add(
             AuditRow(
@@ -113,7 +139,7 @@ def record_audit(
                 path=path[:512],
                 action=action[:64],
                 status_code=status_code,
-                client=(client or "")[:64] or None,
+                client=_text(client or "")[:64] or None,
                 detail=detail or {},
             )
         )

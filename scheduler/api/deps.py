@@ -16,7 +16,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
 from ingest.db import session_factory
-from scheduler.api.auth import Principal, resolve_token
+from scheduler.api.auth import Principal, resolve_token, touch
 from scheduler.api.middleware import AUDIT_KEY, SESSION_COOKIE
 from scheduler.settings import Settings
 from scheduler.settings.sections import ApiConfig
@@ -67,7 +67,12 @@ def _principal(
         raise HTTPException(401, f"missing bearer token. {BEARER_HELP}", headers={"WWW-Authenticate": "Bearer"})
     principal = resolve_token(session, token)
     if principal is None:
-        raise HTTPException(401, "unknown or revoked token.", headers={"WWW-Authenticate": "Bearer"})
+        raise HTTPException(
+            401,
+            "unknown, revoked or expired token; ask an operator for a new one (`undertow tokens create`).",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    touch(session, principal, get_api_config(request).token_touch_interval_s)
     audit = request.scope.get(AUDIT_KEY)
     if audit is not None:
         audit["actor"], audit["role"] = principal.name, principal.role

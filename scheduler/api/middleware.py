@@ -1,8 +1,9 @@
-"""ASGI middleware: request-size limit, per-client rate limit, and the audit log of mutating calls.
+"""ASGI middleware: the audit log, the rate limit per valid token or client address, the request-size limit.
 
-Pure ASGI (no response buffering), outermost first: size limit, rate limit, audit. Route
-dependencies fill ``scope["undertow.audit"]`` (who called, what it did); the audit middleware
-writes one row per mutating request once the response status is known, including refused ones.
+Pure ASGI (no response buffering), outermost first: the proxy headers (uvicorn's, only with
+``api.trusted_proxies``), audit, rate limit, size limit. Route dependencies fill
+``scope["undertow.audit"]`` (who called, what it did); the audit middleware writes one row per
+mutating or refused request once the response status is known.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+REFUSED = frozenset({400, 401, 403, 405, 413, 422, 429})
+"""Statuses audited whatever the method: the request was refused."""
 AUDIT_KEY = "undertow.audit"
 SESSION_COOKIE = "undertow_session"
 
@@ -98,31 +101,38 @@ class BodySizeLimit:
 
 
 class RateLimit:
-    """Token-bucket rate limit per client: its bearer token or login cookie, else its address.
+    """Token-bucket rate limit per valid token, else per client address.
 
+    A request carrying a token (bearer header or login cookie) that is valid (known, not revoked, not
+    expired; checked in the database, the answer kept ``valid_cache_s``) takes from that token's bucket.
+    Every other request, a random bogus token's included, takes from its client address's bucket (the
+    address :class:`uvicorn.middleware.proxy_headers.ProxyHeadersMiddleware` resolved behind a trusted
+    proxy), so forging tokens buys no extra requests. A token not known valid costs one indexed lookup
+    (as its 401 would), so an operator behind an address that others exhausted still gets in.
     Static assets are exempt so one page view costs one request. Over the limit: 429 with
-    ``Retry-After``. Buckets live in this process; run one API process per limit you want.
+    ``Retry-After``; only the first refusal per bucket and minute is audited. Buckets live in this
+    process; run one API process per limit you want.
     """
 
-    def __init__(self, app: ASGIApp, per_minute: int, burst: int, max_clients: int = 10_000) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        per_minute: int,
+        burst: int,
+        engine: Engine | None = None,
+        max_clients: int = 10_000,
+        valid_cache_s: float = 10.0,
+    ) -> None:
         self.app = app
         self.rate = per_minute / 60.0
         self.burst = float(max(burst, 1))
+        self.engine = engine
         self.max_clients = max_clients
+        self.valid_cache_s = valid_cache_s
         self.buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
-
-    def _key(self, scope: Scope) -> str:
-        headers = dict(scope.get("headers", []))
-        auth = headers.get(b"authorization", b"")
-        if auth.lower().startswith(b"bearer "):
-            return "t:" + hash_token(auth[7:].decode("latin-1").strip())[:24]
-        cookie = headers.get(b"cookie", b"").decode("latin-1")
-        for part in cookie.split(";"):
-            name, _, value = part.strip().partition("=")
-            if name == SESSION_COOKIE and value:
-                return "t:" + hash_token(value)[:24]
-        client = scope.get("client") or ("unknown", 0)
-        return f"a:{client[0]}"
+        self.valid: OrderedDict[str, float] = OrderedDict()
+        """Hashes of tokens found valid, with when they were checked."""
+        self.refused_at: OrderedDict[str, float] = OrderedDict()
 
     def take(self, key: str, now: float) -> float:
         """Take one request from ``key``'s bucket; 0 when allowed, else seconds until allowed."""
@@ -138,13 +148,48 @@ class RateLimit:
             self.buckets.popitem(last=False)
         return wait
 
+    def _is_valid(self, token: str) -> bool:
+        if self.engine is None:
+            return False
+        from ingest.db import session_factory
+        from scheduler.api.auth import resolve_token
+
+        with session_factory(self.engine)() as session:
+            return resolve_token(session, token) is not None
+
+    async def _token_key(self, token: str | None, now: float) -> str | None:
+        """The bucket of a valid token (cached), None for no token or an invalid one."""
+        if not token:
+            return None
+        digest = hash_token(token)
+        checked = self.valid.get(digest)
+        if checked is not None and now - checked < self.valid_cache_s:
+            return "t:" + digest[:24]
+        self.valid.pop(digest, None)
+        if not await anyio.to_thread.run_sync(self._is_valid, token):
+            return None
+        self.valid[digest] = now
+        while len(self.valid) > self.max_clients:
+            self.valid.popitem(last=False)
+        return "t:" + digest[:24]
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
         if scope["type"] != "http" or path.startswith("/static/") or path == "/favicon.ico":
             await self.app(scope, receive, send)
             return
-        wait = self.take(self._key(scope), time.monotonic())
+        now = time.monotonic()
+        key = await self._token_key(presented_token(scope), now) or f"a:{client_address(scope)}"
+        wait = self.take(key, now)
         if wait > 0:
+            last = self.refused_at.pop(key, None)
+            self.refused_at[key] = last if last is not None and now - last < 60.0 else now
+            while len(self.refused_at) > self.max_clients:
+                self.refused_at.popitem(last=False)
+            entry = scope.get(AUDIT_KEY)
+            if entry is not None:
+                entry["action"] = "rate_limited"
+                entry["quiet"] = last is not None and now - last < 60.0
             retry = str(max(1, int(wait + 0.999))).encode()
             await _send_json(
                 send, 429, {"detail": "rate limit exceeded: slow down and retry later"}, [(b"retry-after", retry)]
@@ -153,18 +198,63 @@ class RateLimit:
         await self.app(scope, receive, send)
 
 
+def client_address(scope: Scope) -> str:
+    """The client's address (as the proxy-headers middleware left it)."""
+    client = scope.get("client")
+    return str(client[0]) if client else "unknown"
+
+
+def presented_token(scope: Scope) -> str | None:
+    """The token a request carries: its bearer header, else its login cookie."""
+    auth = b""
+    cookie = b""
+    for name, value in scope.get("headers", []):
+        if name == b"authorization":
+            auth = value
+        elif name == b"cookie":
+            cookie = value
+    if auth.lower().startswith(b"bearer "):
+        token = auth[7:].decode("latin-1").strip()
+        if token:
+            return token
+    for part in cookie.decode("latin-1").split(";"):
+        name, _, value = part.strip().partition("=")
+        if name == SESSION_COOKIE and value:
+            return value
+    return None
+
+
 class AuditLog:
-    """Write one audit row per mutating request (API calls, login, logout), whatever its outcome."""
+    """Write one audit row per mutating request (API calls, login, logout) and per refused request of any
+    method (400, 401, 403, 405, 413, 422, 429), whatever its outcome.
+
+    Outermost but for the proxy headers, so the size limit's 413 and the rate limit's 429 are seen. A
+    refused request whose route never named its caller (a malformed body is refused before the
+    dependencies run) is attributed here to the token it carries, when that token is valid.
+    """
 
     def __init__(self, app: ASGIApp, engine: Engine) -> None:
         self.app = app
         self.engine = engine
 
+    def _attribute(self, entry: dict[str, Any], token: str | None) -> None:
+        from ingest.db import session_factory
+        from scheduler.api.auth import resolve_token
+
+        if not token:
+            return
+        with session_factory(self.engine)() as session:
+            principal = resolve_token(session, token)
+        if principal is None:
+            entry["detail"]["token"] = "invalid"
+        else:
+            entry["actor"], entry["role"] = principal.name, principal.role
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("method") not in MUTATING:
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        entry: dict[str, Any] = {"actor": "anonymous", "role": "none", "action": None, "detail": {}}
+        entry: dict[str, Any] = {"actor": "anonymous", "role": "none", "action": None, "detail": {}, "quiet": False}
         scope[AUDIT_KEY] = entry
         status = 500
 
@@ -177,19 +267,23 @@ class AuditLog:
         try:
             await self.app(scope, receive, capture)
         finally:
-            route = scope.get("route")
-            action = entry["action"] or getattr(route, "name", None) or "unrouted"
-            client = scope.get("client")
-            await anyio.to_thread.run_sync(
-                lambda: record_audit(
-                    self.engine,
-                    actor=entry["actor"],
-                    role=entry["role"],
-                    method=scope["method"],
-                    path=scope.get("path", ""),
-                    action=action,
-                    status_code=status,
-                    client=client[0] if client else None,
-                    detail=entry["detail"],
-                )
-            )
+            if (scope.get("method") in MUTATING or status in REFUSED) and not entry["quiet"]:
+                route = scope.get("route")
+                action = entry["action"] or getattr(route, "name", None) or "unrouted"
+                token = presented_token(scope) if entry["actor"] == "anonymous" and status >= 400 else None
+
+                def write() -> None:
+                    self._attribute(entry, token)
+                    record_audit(
+                        self.engine,
+                        actor=entry["actor"],
+                        role=entry["role"],
+                        method=scope["method"],
+                        path=scope.get("path", ""),
+                        action=action,
+                        status_code=status,
+                        client=client_address(scope),
+                        detail=entry["detail"],
+                    )
+
+                await anyio.to_thread.run_sync(write)

@@ -30,7 +30,10 @@ class ApiTokenRow(Base):
     role: Mapped[str] = mapped_column(String(16))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    """Last accepted request, written at most once per ``api.token_touch_interval_s``."""
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    """When the token stops working (None: never; tokens made before expiry existed)."""
 
 
 class AuditRow(Base):

@@ -11,7 +11,9 @@ takes about a second (polling). Production sets ``UNDERTOW_SCHEDULER__CELERY_BRO
 Redis (``redis://``) or RabbitMQ (``amqp://``) URL. Tasks acknowledge late (a task lost with its
 worker is not acknowledged), one message is prefetched at a time, and celery beat runs the
 capacity plan and the lease reaper every planning interval, and the reward-model retrain triggers
-(``undertow.check_retrain``) every ``retrain_check_interval_s``.
+(``undertow.check_retrain``) every ``retrain_check_interval_s``, and the retention sweep
+(``undertow.enforce_retention``: telemetry and audit entries past their retention) every
+``ingest.retention_interval_s``.
 """
 
 from __future__ import annotations
@@ -66,6 +68,10 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             },
             "reap-jobs": {"task": "undertow.reap_jobs", "schedule": cfg.job_lost_after_s / 2},
             "check-retrain": {"task": "undertow.check_retrain", "schedule": cfg.retrain_check_interval_s},
+            "enforce-retention": {
+                "task": "undertow.enforce_retention",
+                "schedule": settings.ingest.retention_interval_s,
+            },
         },
     }
     if conf["broker_url"].startswith(("redis", "rediss", "sentinel")):

@@ -174,7 +174,8 @@ def snapshot(ctx: StepContext, state: LoopState) -> LoopState:
 def _gateway_metrics(settings: Settings) -> deploy.MetricsSource:
     """The gateway's per-version online metrics (what the deployment gate compares)."""
     url = f"http://127.0.0.1:{settings.serving.gateway_port}/gateway/metrics"
-    key = settings.serving.gateway.metrics_key
+    secret = settings.serving.gateway.metrics_key
+    key = secret.get_secret_value() if secret else None
     headers = {"authorization": f"Bearer {key}"} if key else {}
 
     async def metrics() -> dict[str, Any]:

@@ -230,6 +230,15 @@ def reap_jobs() -> dict[str, Any]:
     return {"lost": jobs.reap_lost(worker_engine(), worker_settings().scheduler.job_lost_after_s)}
 
 
+@app.task(base=LoopTask, name="undertow.enforce_retention")
+def enforce_retention() -> dict[str, Any]:
+    """Delete telemetry older than ``ingest.retention_days`` and audit entries older than
+    ``api.audit_retention_days`` (:func:`scheduler.privacy.enforce_retention`)."""
+    from scheduler.privacy import enforce_retention as run
+
+    return run(worker_engine(), worker_settings())
+
+
 NO_MODEL = "no promoted reward model"
 
 

@@ -202,7 +202,7 @@ def test_cli_key_guidance_configures_ingest_and_replay_signs(
     second = _cli(["ingest", "--once"], env)
     assert last_json(second.stdout)["stored"] == 1
     shown = last_json(_cli(["config", "show"], env).stdout)["ingest"]["signing_keys"]
-    assert shown == {"dlq-replay": "<secret>"}  # secrets are never printed
+    assert shown == {"dlq-replay": "**********"}  # secrets are never printed
 
     other = dict(env, UNDERTOW_INGEST__REPLAY_SIGNING_KEY_ID="not-configured")
     out = last_json(_cli(["dlq", "replay", "--all"], other).stdout)

@@ -2,13 +2,18 @@
 
 How a browser authenticates: ``/login`` takes an API token (viewer or operator) in a form and
 sets it in an HttpOnly, ``SameSite=Strict`` cookie; every page then reads it. Pages only read,
-so a viewer token is enough; ``/logout`` clears the cookie. The JSON API never accepts the
+so a viewer token is enough; ``/logout`` clears the cookie. Both forms carry a CSRF token
+(double-submit: every page sets a random ``undertow_csrf`` cookie and puts the same value in its
+forms; a POST whose field does not match the cookie is refused with 403, which another site cannot
+forge since it can neither read nor set that cookie). Login rotates it. The JSON API never accepts the
 cookie for a mutating call (it wants the ``Authorization`` header), so the cookie cannot be
 used to trigger anything from another site.
 """
 
 from __future__ import annotations
 
+import re
+import secrets
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -34,11 +39,46 @@ CSP = (
 )
 
 
+CSRF_COOKIE = "undertow_csrf"
+CSRF_FIELD = "csrf_token"
+_CSRF_SHAPE = re.compile(r"[A-Za-z0-9_-]{43}")
+
+
+def _set_csrf(request: Request, response: Response, token: str) -> None:
+    response.set_cookie(
+        CSRF_COOKIE,
+        token,
+        max_age=request.app.state.settings.api.session_max_age_s,
+        httponly=True,
+        samesite="strict",
+        secure=request.app.state.settings.api.cookie_secure,
+        path="/",
+    )
+
+
+def csrf_ok(request: Request, form: dict[str, list[str]]) -> bool:
+    """True when the form's CSRF field matches the CSRF cookie (both present and well formed)."""
+    cookie = request.cookies.get(CSRF_COOKIE, "")
+    sent = (form.get(CSRF_FIELD) or [""])[0]
+    return bool(_CSRF_SHAPE.fullmatch(cookie)) and secrets.compare_digest(cookie.encode(), sent.encode())
+
+
 def _page(request: Request, template: str, context: dict[str, Any], started: float, status: int = 200) -> HTMLResponse:
-    context = {**context, "now": datetime.now(UTC), "render_ms": (time.perf_counter() - started) * 1000}
+    csrf = request.cookies.get(CSRF_COOKIE, "")
+    fresh = not _CSRF_SHAPE.fullmatch(csrf)
+    if fresh:
+        csrf = secrets.token_urlsafe(32)
+    context = {
+        **context,
+        "now": datetime.now(UTC),
+        "render_ms": (time.perf_counter() - started) * 1000,
+        "csrf_token": csrf,
+    }
     response: HTMLResponse = request.app.state.templates.TemplateResponse(
         request, template, context, status_code=status
     )
+    if fresh:
+        _set_csrf(request, response, csrf)
     response.headers["Content-Security-Policy"] = CSP
     response.headers["X-Content-Type-Options"] = "nosniff"
     response.headers["Cache-Control"] = "no-store"
@@ -71,6 +111,17 @@ def _filters(request: Request, signal: str | None = None) -> dict[str, Any]:
     }
 
 
+CSRF_ERROR = "The form expired or did not come from this site: reload the page and try again."
+
+
+async def _form(request: Request) -> dict[str, list[str]]:
+    """The posted form (empty when it has more fields than a login form could)."""
+    try:
+        return parse_qs((await request.body()).decode("utf-8", errors="replace"), max_num_fields=10)
+    except ValueError:
+        return {}
+
+
 @router.get("/favicon.ico")
 def favicon() -> FileResponse:
     return FileResponse(HERE / "static" / "favicon.ico", media_type="image/x-icon")
@@ -90,9 +141,12 @@ def login_form(request: Request, next: str = "/") -> HTMLResponse:
 async def login(request: Request, api: ApiConfigDep) -> Response:
     started = time.perf_counter()
     audit(request, "login")
-    form = parse_qs((await request.body()).decode("utf-8", errors="replace"), max_num_fields=10)
+    form = await _form(request)
     token = (form.get("token") or [""])[0].strip()
     target = _safe_next((form.get("next") or ["/"])[0])
+    if not csrf_ok(request, form):
+        context = {"title": "Log in", "principal": None, "next": target, "error": CSRF_ERROR}
+        return _page(request, "login.html", context, started, status=403)
 
     def check() -> Principal | None:
         with session_factory(request.app.state.engine)() as session:
@@ -107,6 +161,7 @@ async def login(request: Request, api: ApiConfigDep) -> Response:
     if entry is not None:
         entry["actor"], entry["role"] = principal.name, principal.role
     response = RedirectResponse(target, status_code=303)
+    _set_csrf(request, response, secrets.token_urlsafe(32))
     response.set_cookie(
         SESSION_COOKIE,
         token,
@@ -119,13 +174,20 @@ async def login(request: Request, api: ApiConfigDep) -> Response:
     return response
 
 
-@router.post("/logout")
-def logout(request: Request, session: SessionDep) -> RedirectResponse:
+@router.post("/logout", response_model=None)
+async def logout(request: Request) -> Response:
     audit(request, "logout")
-    principal = _who(request, session)
+
+    def who() -> Principal | None:
+        with session_factory(request.app.state.engine)() as session:
+            return _who(request, session)
+
+    principal = await run_in_threadpool(who)
     entry = request.scope.get("undertow.audit")
     if principal is not None and entry is not None:
         entry["actor"], entry["role"] = principal.name, principal.role
+    if not csrf_ok(request, await _form(request)):
+        return HTMLResponse(CSRF_ERROR, status_code=403)
     response = RedirectResponse("/login", status_code=303)
     response.delete_cookie(SESSION_COOKIE, path="/")
     return response

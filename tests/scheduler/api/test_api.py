@@ -227,9 +227,11 @@ def test_viewer_cannot_mutate_and_every_attempt_is_audited(client: TestClient, t
     assert client.post("/api/v1/jobs/no-such-job/cancel", headers=operator).status_code == 404
     log = client.get("/api/v1/audit", params={"limit": 500}, headers=operator).json()
     entries = log["items"]
-    refused = [e for e in entries if e["actor"] == "test-viewer"]
+    refused = [e for e in entries if e["actor"] == "test-viewer" and e["method"] == "POST"]
     assert len(refused) == len(calls) and all(e["status_code"] == 403 and e["role"] == "viewer" for e in refused)
-    anonymous = [e for e in entries if e["actor"] == "anonymous"]
+    # A refused read is audited too.
+    assert any(e["actor"] == "test-viewer" and e["method"] == "GET" and e["status_code"] == 403 for e in entries)
+    anonymous = [e for e in entries if e["actor"] == "anonymous" and e["method"] == "POST" and e["path"] != "/login"]
     assert len(anonymous) == len(calls) and all(e["status_code"] == 401 for e in anonymous)
     ops = [(e["action"], e["status_code"], e["detail"]) for e in entries if e["actor"] == "test-operator"]
     assert ("deployment.promote", 409, {"deployment_id": 1}) in ops
@@ -347,10 +349,15 @@ def _has_kombu(conn: object) -> bool:
 
 
 def test_login_logout_are_audited_and_the_cookie_only_reads(client: TestClient, tokens: dict[str, str]) -> None:
-    bad = client.post("/login", data={"token": "ut_nope", "next": "/fleet"}, follow_redirects=False)
+    client.cookies.clear()
+    client.get("/login")
+    csrf = client.cookies["undertow_csrf"]  # the forms' double-submit token (tests/scheduler/api/test_api_edges.py)
+    bad = client.post("/login", data={"token": "ut_nope", "next": "/fleet", "csrf_token": csrf}, follow_redirects=False)
     assert bad.status_code == 401 and "Unknown or revoked token" in bad.text
     good = client.post(
-        "/login", data={"token": tokens["viewer"], "next": "https://evil.example/"}, follow_redirects=False
+        "/login",
+        data={"token": tokens["viewer"], "next": "https://evil.example/", "csrf_token": csrf},
+        follow_redirects=False,
     )
     assert good.status_code == 303 and good.headers["location"] == "/"
     cookie = good.headers["set-cookie"].lower()
@@ -359,9 +366,10 @@ def test_login_logout_are_audited_and_the_cookie_only_reads(client: TestClient, 
     # ... but never authorizes an API call, not even for an operator's token.
     client.cookies.clear()
     client.cookies.set("undertow_session", tokens["operator"])
+    client.cookies.set("undertow_csrf", csrf)
     assert client.post("/api/v1/retrains", json={"kind": "reward_model"}).status_code == 401
     assert client.get("/api/v1/fleet/states").status_code == 401
-    out = client.post("/logout", follow_redirects=False)
+    out = client.post("/logout", data={"csrf_token": csrf}, follow_redirects=False)
     assert out.status_code == 303 and 'undertow_session=""' in out.headers["set-cookie"]
     client.cookies.clear()
     assert client.get("/fleet", follow_redirects=False).headers["location"] == "/login?next=%2Ffleet"
