@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast lint bench clean
+.PHONY: install demo test test-fast lint bench clean secrets
 
 install: $(STAMP)
 
@@ -35,3 +35,6 @@ bench: install
 
 clean:
 	rm -rf $(VENV) .undertow .pytest_cache .mypy_cache .ruff_cache
+
+secrets: install
+	$(VENV)/bin/undertow config secrets --output deploy/.env

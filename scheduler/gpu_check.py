@@ -265,9 +265,16 @@ class _Capture:
         self.events: list[dict[str, Any]] = []
         self.stats: dict[str, int] = {"sent": 0}
 
-    def emit(self, event: dict[str, Any]) -> None:
+    def admits(self, kind: str) -> bool:
+        return True  # memory is never full here
+
+    def emit(self, event: dict[str, Any]) -> bool:
         self.events.append(event)
         self.stats["sent"] += 1
+        return True
+
+    def snapshot(self) -> dict[str, int]:
+        return dict(self.stats)
 
     def close(self) -> None:
         return None

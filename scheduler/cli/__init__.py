@@ -20,6 +20,7 @@ from scheduler.cli import (
     rewards_cmds,
     sandbox_cmds,
     serving_cmds,
+    users_cmds,
     weights_cmds,
 )
 
@@ -45,6 +46,7 @@ for module in (
     api_cmds,
     demo_cmds,
     gpu_cmds,
+    users_cmds,
 ):
     module.register(app)
 

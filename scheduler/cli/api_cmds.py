@@ -24,13 +24,25 @@ def api(
         f"control plane on http://{bind_host}:{bind_port}/ (log in with a token from `undertow tokens create`)",
         err=True,
     )
-    uvicorn.run(app, host=bind_host, port=bind_port, log_level=settings.log_level.lower(), access_log=False)
+    # proxy_headers off: the app honours X-Forwarded-For from ``api.trusted_proxies`` only (uvicorn's own
+    # default would trust it from 127.0.0.1).
+    uvicorn.run(
+        app,
+        host=bind_host,
+        port=bind_port,
+        log_level=settings.log_level.lower(),
+        access_log=False,
+        proxy_headers=False,
+    )
 
 
 @tokens_app.command("create")
 def create(
     name: str | None = typer.Option(None, "--name", help="Who uses it (shown in the audit log); default: generated."),
     role: str = typer.Option("viewer", "--role", help="viewer (reads) or operator (also triggers and deploys)."),
+    expires_days: float | None = typer.Option(
+        None, "--expires-days", help="Lifetime in days (default: api.token_ttl_days; 0: never expires)."
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Create a token and print it once; only its hash is stored."""
@@ -42,11 +54,12 @@ def create(
 
     settings = setup()
     try:
-        row, token = create_token(open_database(settings), name or f"{role}-{secrets.token_hex(3)}", role)
+        ttl = settings.api.token_ttl_days if expires_days is None else expires_days
+        row, token = create_token(open_database(settings), name or f"{role}-{secrets.token_hex(3)}", role, ttl)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     if json_out:
-        print_json({"name": row.name, "role": row.role, "token": token})
+        print_json({"name": row.name, "role": row.role, "token": token, "expires_at": row.expires_at})
     else:
         typer.echo(f"created {row.role} token {row.name!r}; store it now, it is not shown again:", err=True)
         typer.echo(token)
@@ -66,6 +79,8 @@ def list_(json_out: bool = typer.Option(False, "--json", help="Print one JSON ob
             "role": r.role,
             "prefix": r.prefix,
             "created_at": r.created_at,
+            "expires_at": r.expires_at,
+            "last_used_at": r.last_used_at,
             "revoked": r.revoked_at is not None,
         }
         for r in rows

@@ -24,8 +24,7 @@ def train(
     if config.backend not in ("sklearn", "torch"):
         raise typer.BadParameter(f"unknown backend {config.backend!r}; use sklearn or torch", param_hint="--backend")
     engine = open_database(settings)
-    resolved = settings.resolved()
-    resolved["rewards"] = config.model_dump(mode="json")
+    resolved = settings.model_copy(update={"rewards": config}).resolved()  # secrets masked: it is stored
     try:
         report = train_reward_models(engine, config, settings.home, resolved_config=resolved)
     except TrainingDataError as exc:

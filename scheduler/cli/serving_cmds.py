@@ -138,7 +138,8 @@ def deploy_rollout(
     settings = setup()
     metrics = None
     if gateway:
-        key = gateway_key or settings.serving.gateway.metrics_key
+        setting = settings.serving.gateway.metrics_key
+        key = gateway_key or (setting.get_secret_value() if setting else None)
         headers = {"authorization": f"Bearer {key}"} if key else {}
 
         async def metrics() -> dict:  # type: ignore[type-arg]
@@ -197,7 +198,7 @@ def gateway_cmd(
         list[str] | None, typer.Option(help="Static replica URL (repeat); default: the registry.")
     ] = None,
     pool: Annotated[str, typer.Option(help="Registry pool to balance over.")] = "default",
-    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    host: Annotated[str | None, typer.Option(help="Interface to listen on (default: serving.gateway.host).")] = None,
     port: Annotated[int | None, typer.Option(help="Port (default: serving.gateway_port).")] = None,
     telemetry: Annotated[bool, typer.Option(help="Emit session.completed and signals to Kafka.")] = True,
 ) -> None:
@@ -220,7 +221,7 @@ def gateway_cmd(
     emitter = gateway_emitter(settings) if telemetry else None
     keys = gateway_keys(settings, db) if cfg.require_keys else None
     gateway = Gateway(source, emitter, cfg, settings.serving.engine.served_model_name, keys)
-    serve_gateway(gateway, host, port or settings.serving.gateway_port, background)
+    serve_gateway(gateway, host or cfg.host, port or settings.serving.gateway_port, background)
 
 
 def register(app: typer.Typer) -> None:

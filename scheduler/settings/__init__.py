@@ -8,6 +8,7 @@ time: call :func:`load_settings` and pass the sections down explicitly, typed.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from pydantic_settings import (
 )
 
 from ingest.config import IngestConfig, KafkaConfig
+from ingest.private import private_dir
 from policy.config import PolicyConfig
 from reward_models.config import RewardsConfig
 from scheduler.settings.sections import ApiConfig, SchedulerConfig
@@ -96,22 +98,40 @@ class Settings(BaseSettings):
         return None
 
     def resolved(self) -> dict[str, Any]:
-        """The resolved configuration as plain data, recorded with every run."""
+        """The resolved configuration as plain data, shown by ``config show`` and recorded with every run.
+
+        Secrets are masked: every ``SecretStr`` (pydantic dumps it as ``**********``) and the password of
+        every URL (database, broker, result backend, judge, store), so this may be printed and stored."""
         data = self.model_dump(mode="json")
-        data["database_url"] = _redact(self.resolved_database_url)
+        data["database_url"] = self.resolved_database_url
         data["kafka_bootstrap"] = self.resolved_kafka_bootstrap()
-        return data
+        return mask_urls(data)
 
 
-def _redact(url: str) -> str:
-    """Hide a password in a database URL."""
-    from sqlalchemy.engine import make_url
+MASK = "**********"
+"""What replaces a secret wherever settings are shown or stored (pydantic's own ``SecretStr`` rendering)."""
+# a URL password runs to the last @ (an unencoded one may hold one); ";" and "," separate failover URLs
+_URL_PASSWORD = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*://[^:/@\s]*:)[^\s;,]+@")
+_QUERY_SECRET = re.compile(r"(?P<head>[?&](?:password|passwd|pwd|token|secret|api_key|key)=)[^&\s]+", re.IGNORECASE)
 
-    return make_url(url).render_as_string(hide_password=True)
+
+def mask_urls(value: Any) -> Any:
+    """``value`` (plain JSON data) with the password of every URL in it, and secret query parameters, masked.
+
+    URL settings stay plain strings (SQLAlchemy, Celery and Kafka clients take them as they are); they are
+    masked here, where settings leave the process, instead."""
+    if isinstance(value, str):
+        value = _URL_PASSWORD.sub(lambda m: f"{m['head']}{MASK}@", value)
+        return _QUERY_SECRET.sub(lambda m: f"{m['head']}{MASK}", value)
+    if isinstance(value, dict):
+        return {key: mask_urls(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [mask_urls(item) for item in value]
+    return value
 
 
 def load_settings(**overrides: Any) -> Settings:
     """Build the settings from the environment and ``undertow.toml`` (overrides win)."""
     settings = Settings(**overrides)
-    settings.home.mkdir(parents=True, exist_ok=True)
+    private_dir(settings.home)  # 0700 when created here: it holds the database, weights and the spool
     return settings

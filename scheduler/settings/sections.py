@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 
 class PoolConfig(BaseModel):
@@ -123,9 +123,21 @@ class ApiConfig(BaseModel):
     max_body_bytes: int = 64 * 1024
     """Largest request body accepted; bigger requests get 413."""
     rate_limit_per_minute: int = 600
-    """Sustained requests per minute allowed per token (or per client address before login)."""
+    """Sustained requests per minute allowed per valid token; requests without one (or with an unknown, revoked
+    or expired one) share their client address's bucket of the same size."""
     rate_limit_burst: int = 120
     """Requests a client may send at once before the per-minute rate applies."""
+    trusted_proxies: list[str] = Field(default_factory=list)
+    """Addresses or networks (CIDR) of the reverse proxies in front of the API: only from these is
+    ``X-Forwarded-For`` honoured (its rightmost untrusted address is the client, for rate limits and the
+    audit log); empty: the connecting address is the client."""
+    token_ttl_days: float = Field(default=90.0, ge=0)
+    """Lifetime of a new API token (``undertow tokens create --expires-days`` overrides it); 0: never expires."""
+    token_touch_interval_s: float = Field(default=300.0, ge=0)
+    """A token's ``last_used_at`` is written at most this often (not on every request)."""
+    audit_retention_days: int = Field(default=365, ge=0)
+    """Audit entries older than this many days are deleted by the ``undertow.enforce_retention`` beat job; 0 keeps
+    them."""
     expose_text_to_viewers: bool = False
     """Let viewer tokens read prompts and generated code; off: only operators see them."""
     metrics_require_token: bool = False
@@ -136,3 +148,15 @@ class ApiConfig(BaseModel):
     """How long a dashboard login lasts before the browser must log in again."""
     guard_refresh_s: float = 60.0
     """Longest a reward-hacking verdict is reused while new data arrives (it scores every session)."""
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _valid_proxies(cls, value: list[str]) -> list[str]:
+        import ipaddress
+
+        for item in value:
+            try:
+                ipaddress.ip_network(item, strict=False)
+            except ValueError as exc:
+                raise ValueError(f"trusted proxy {item!r} is not an IP address or network (CIDR)") from exc
+        return value
