@@ -164,23 +164,6 @@ def pct(values: list[float], q: int) -> float | None:
     return round(statistics.quantiles(values, n=100, method="inclusive")[q - 1], 1)
 
 
-def read_topic(bootstrap: str, topic: str) -> list[dict[str, Any]]:
-    from kafka import KafkaConsumer, TopicPartition
-
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, consumer_timeout_ms=1000)
-    parts = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])]
-    consumer.assign(parts)
-    consumer.seek_to_beginning(*parts)
-    end = consumer.end_offsets(parts)
-    out: list[dict[str, Any]] = []
-    deadline = time.monotonic() + 120
-    while any(consumer.position(p) < end[p] for p in parts) and time.monotonic() < deadline:
-        for batch in consumer.poll(timeout_ms=500).values():
-            out.extend(json.loads(r.value) for r in batch)
-    consumer.close()
-    return out
-
-
 def stored(db_url: str, bootstrap: str, topic: str, sessions: set[str], signals: set[str]) -> tuple[int, int]:
     """Ingest the topic once into ``db_url``; (our events stored, duplicates ingest counted)."""
     from sqlalchemy import func, select
@@ -294,6 +277,8 @@ def main() -> None:
                 gateway.kill()
             engine.stop()
         log("reading the topic and ingesting it ...")
+        from ingest.embedded import read_topic
+
         records = read_topic(kafka.bootstrap, topic)
         sessions, signals = set(run.sessions), set(run.signals)
         db_url = f"sqlite:///{root / 'bench.db'}"

@@ -26,6 +26,25 @@ import structlog
 log = structlog.get_logger(__name__)
 
 
+def read_topic(bootstrap: str, topic: str, timeout_s: float = 120.0) -> list[dict[str, object]]:
+    """Every record on ``topic`` as JSON, duplicates included, up to the end offsets at the time of
+    the call (what a check counts events against; the consumer commits nothing)."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, consumer_timeout_ms=1000)
+    parts = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])]
+    consumer.assign(parts)
+    consumer.seek_to_beginning(*parts)
+    end = consumer.end_offsets(parts)
+    out: list[dict[str, object]] = []
+    deadline = time.monotonic() + timeout_s
+    while any(consumer.position(p) < end[p] for p in parts) and time.monotonic() < deadline:
+        for batch in consumer.poll(timeout_ms=500).values():
+            out.extend(json.loads(r.value) for r in batch)
+    consumer.close()
+    return out
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on ``host`` that nothing listens on right now."""
     return free_ports(1, host)[0]

@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from ingest.embedded import create_topics
+from ingest.embedded import create_topics, read_topic
 from ingest.producer import TelemetryProducer
 from serving.config import GatewayConfig
 from serving.gateway import Gateway, create_gateway_app, static_replicas
@@ -30,24 +30,6 @@ from serving.spool import Spool, SpoolBudget
 from serving.telemetry import PRODUCER_OPTIONS, TelemetryEmitter
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def read_topic(bootstrap: str, topic: str, partitions: int = 2) -> list[dict[str, Any]]:
-    """Every record on ``topic``, duplicates included, up to the end offsets at the time of the call."""
-    from kafka import KafkaConsumer, TopicPartition
-
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, consumer_timeout_ms=1000)
-    parts = [TopicPartition(topic, p) for p in range(partitions)]
-    consumer.assign(parts)
-    consumer.seek_to_beginning(*parts)
-    end = consumer.end_offsets(parts)
-    out: list[dict[str, Any]] = []
-    deadline = time.monotonic() + 60
-    while any(consumer.position(p) < end[p] for p in parts) and time.monotonic() < deadline:
-        for batch in consumer.poll(timeout_ms=500).values():
-            out.extend(json.loads(r.value) for r in batch)
-    consumer.close()
-    return out
 
 
 def wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> None:
