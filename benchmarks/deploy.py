@@ -11,10 +11,33 @@ about a memory copy, so the delta's advantage, the bytes pulled (``bytes_ratio``
 uncharged and the ratio stays near 1.
 
 Model: the policy's ``medium`` preset by default (about 112M parameters, 224 MB per snapshot in
-bf16, where moving weights is most of a rollout; about 50 s in all on 2 cores; ``--preset
-small``: 7.6M parameters, quick), stored in the project's weight store (``policy.weights``).
-Each rollout moves the fleet by one training-step-like change (4% of the entries of every tensor
-move). A round is a delta rollout to an odd version (each replica pulls the delta, checks its
+bf16, where moving weights is most of a rollout; ``--preset small``: 7.6M parameters, quick),
+stored in the project's weight store (``policy.weights``) under the checkpoint's tensor names.
+
+Each new version is made by the RL trainer (``--change trainer``, the default): a fresh optimizer
+and ``--trainer-steps`` steps of :func:`policy.trainer.update_step` with the pipeline's settings
+(:func:`policy.pipeline.train_config` of the default ``PolicyConfig``: GRPO, lr 3e-4, routing
+replay), each on ``--tasks-per-step`` groups of the task family: a training task's concise,
+verbose and first wrong reference solutions, rewarded by the sandboxed checker (1, 0.2, 0), with
+the served version's own logprobs and routed experts. Left out, for time: sampling the
+completions (a random-init ``medium`` model writes nothing the checker passes, so GRPO would have
+no signal; the ``tiny`` policy's own sampled versions are in ``benchmarks/delta.py``) and the
+pipeline's full step (4 steps of 8 tasks x 6 samples per version: about 2 minutes per step on this
+CPU for ``medium``). Adam's first step from a fresh optimizer moves every weight that has a gradient by
+about the learning rate whatever the batch, so the delta's density is a real version's:
+``trainer.versions`` gives the share of bf16 weights each version changed. ``--change synthetic``:
+the earlier synthetic change (4% of the entries of every tensor move), for comparison with older
+figures.
+
+``links``: the transfer and apply of v1 into one replica's weights (:class:`serving.weights.WeightUpdater`,
+the engine's own, in this process once the fleet is stopped), by delta and by snapshot, with the
+store on the local disk (files in the page cache), and across shaped links of 1 and 10 Gbit/s:
+``transfer_apply_s`` (prefetch: transfer, checks, decode, staging; plus apply: the in-place
+writes), its parts, ``effective_mbit_s`` (bytes over the prefetch time: where it stays under the
+link's rate, the HTTP store server or the CPU is the bound, not the link), ``link_floor_s`` (the
+bytes at the link's rate), ``bitexact`` and ``speedup`` (snapshot over delta).
+
+A round is a delta rollout to an odd version (each replica pulls the delta, checks its
 base checksums against the checksums it verified when it last loaded or applied weights,
 decodes the changed positions, hashes every changed target tensor before the pause without
 building it, then writes only the changed positions during a short pause), then a full rollout
@@ -53,10 +76,16 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from policy.rollouts import Rollout
+    from policy.tasks import Task
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -80,16 +109,101 @@ def training_step(tensors: dict[str, torch.Tensor], seed: int, frac: float = 0.0
     return out
 
 
-def make_checkpoint(root: Path, preset: str) -> tuple[Path, int]:
-    from policy.model import build_model, num_parameters, save_checkpoint
-    from policy.tokenizer import train_tokenizer
+def synthetic_versions(tensors: dict[str, torch.Tensor], count: int) -> Iterator[dict[str, torch.Tensor]]:
+    """``count`` versions, each :func:`training_step` of the one before."""
+    for i in range(1, count + 1):
+        tensors = training_step(tensors, seed=i)
+        yield tensors
 
-    tok = train_tokenizer(["def add(a, b):\n    return a + b\n", "for x in range(10):\n    print(x)\n"] * 20, 300)
+
+def make_checkpoint(root: Path, preset: str) -> tuple[Path, int]:
+    """v0 of ``preset`` with the task family's tokenizer (so the trainer can train it), its fp32 weights
+    rounded to bf16 (the store's serving dtype), as a Hugging Face checkpoint under ``root``."""
+    from policy.model import build_model, num_parameters, save_checkpoint
+    from policy.tokenizer import default_tokenizer
+
+    tok = default_tokenizer()
     model = build_model(preset, len(tok), 0)
     with torch.no_grad():  # the served bits are bf16 (the store's serving dtype)
         for p in model.parameters():
             p.copy_(p.to(torch.bfloat16).float())
     return save_checkpoint(model, tok, root / "ckpt"), num_parameters(model)
+
+
+def candidate_batch(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, tasks: list[Task], version: int
+) -> list[Rollout]:
+    """One GRPO group per task: its concise, verbose and first wrong reference solutions, rewarded by the
+    sandboxed checker, with ``model``'s logprobs and routed experts as the served ones (the version it
+    holds served them)."""
+    import numpy as np
+
+    from policy.checker import check_many
+    from policy.forward import score_tokens
+    from policy.rollouts import Rollout, task_reward
+    from policy.sft import encode_example
+
+    items = [(task, body) for task in tasks for body in (task.concise, task.verbose, *task.wrong[:1])]
+    out = []
+    for (task, body), result in zip(items, check_many(items), strict=True):
+        ids, prompt_len = encode_example(tokenizer, task, body)
+        scored = score_tokens(model, ids, prompt_len=prompt_len)
+        out.append(
+            Rollout(
+                prompt_ids=ids[:prompt_len],
+                completion_ids=ids[prompt_len:],
+                reward=task_reward(result),
+                served_logprobs=scored.logprobs.astype(np.float64),
+                routed_experts=scored.routed_experts,
+                group_id=task.task_id,
+                context=task.task_id,
+                policy_version=version,
+            )
+        )
+    return out
+
+
+def trainer_versions(
+    checkpoint: Path, count: int, *, steps: int, tasks_per_step: int, info: dict[str, Any]
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Versions 1..``count`` of ``checkpoint`` made by the RL trainer (yielded as fp32 state dicts, one at a
+    time): per version a fresh optimizer and ``steps`` steps of :func:`policy.trainer.update_step` with
+    :func:`policy.pipeline.train_config` of the default :class:`policy.config.PolicyConfig` (GRPO, lr
+    3e-4, routing replay) on :func:`candidate_batch` groups of ``tasks_per_step`` training tasks.
+    ``info`` receives each version's rewards, seconds and share of bf16 weights changed."""
+    from dataclasses import replace
+
+    from policy.config import PolicyConfig
+    from policy.model import load_checkpoint
+    from policy.pipeline import train_config
+    from policy.trainer import make_optimizer, step_tasks, update_step
+    from serving.params import ModelParams
+
+    policy = PolicyConfig()
+    model, tokenizer = load_checkpoint(checkpoint)
+    params = ModelParams(model, checkpoint, threading.Lock())  # the store's names: one tensor per expert
+    previous = {name: params.get(name).detach().to(torch.bfloat16) for name in params.names()}
+    info.update(preset_checkpoint=str(checkpoint.name), steps_per_version=steps, tasks_per_step=tasks_per_step,
+                candidates_per_task=3, lr=policy.rl_lr, advantage=policy.advantage, versions=[])  # fmt: skip
+    for number in range(1, count + 1):
+        started = time.perf_counter()
+        cfg = replace(train_config(policy, steps), seed=policy.seed * 7919 + number)
+        optimizer = make_optimizer(model, cfg)
+        rewards: list[float] = []
+        for step in range(steps):
+            batch = candidate_batch(model, tokenizer, step_tasks(cfg.seed, step, tasks_per_step), number - 1)
+            rewards += [r.reward for r in batch]
+            update_step(model, optimizer, batch, cfg)
+        state = {name: params.get(name).detach() for name in params.names()}
+        current = {k: v.to(torch.bfloat16) for k, v in state.items()}
+        changed = sum(int((current[k].view(torch.int16) != previous[k].view(torch.int16)).sum()) for k in current)
+        total = sum(v.numel() for v in current.values())
+        info["versions"].append(
+            {"version": f"v{number}", "rewards": rewards, "changed_fraction": round(changed / total, 5),
+             "seconds": round(time.perf_counter() - started, 1)}
+        )  # fmt: skip
+        previous = current
+        yield state
 
 
 class Load:
@@ -151,6 +265,80 @@ def remote_store(root: Path, mbit: int) -> Iterator[str]:
             server.wait(10)
 
 
+LINKS_MBIT = (0, 1000, 10_000)
+"""Where ``links`` pulls from: the local directory (0), then the store across 1 and 10 Gbit/s links."""
+
+
+def link_transfer(
+    store_url: str,
+    held: dict[str, torch.Tensor],
+    target: dict[str, torch.Tensor],
+    *,
+    to_version: str,
+    expected_hash: str,
+    kind: str,
+    public_key: Path | None,
+) -> dict[str, Any]:
+    """One replica's update from ``held`` (version ``v0``) to ``to_version`` through ``kind`` (``delta`` or
+    ``snapshot``): :class:`serving.weights.WeightUpdater`, the engine's own, on a copy of ``held`` in the
+    engines' dtype, pulling from ``store_url``. ``transfer_apply_s`` is prefetch (transfer, checks,
+    decode, staging) plus apply (the in-place writes); ``bitexact``: the result equals ``target`` (the
+    store's bits) bit for bit."""
+    from serving.protocol import ApplyRequest, PrefetchRequest
+    from serving.weights import WeightUpdater
+
+    live = {k: v.float().clone() for k, v in held.items()}
+    updater = WeightUpdater.for_dict(live, version="v0", store_url=store_url, public_key=public_key)
+    started = time.perf_counter()
+    pulled = updater.prefetch(PrefetchRequest(to_version=to_version, kind=kind))
+    prefetched = time.perf_counter()
+    updater.apply(ApplyRequest(to_version=to_version, expected_hash=expected_hash))
+    done = time.perf_counter()
+    updater.settle()
+    exact = all(torch.equal(live[k].to(torch.bfloat16).view(torch.int16), target[k].view(torch.int16)) for k in target)
+    nbytes = int(pulled["bytes"])
+    return {
+        "bytes": nbytes,
+        "transfer_apply_s": round(done - started, 3),
+        "prefetch_s": round(prefetched - started, 3),
+        "apply_s": round(done - prefetched, 3),
+        "effective_mbit_s": round(nbytes * 8 / (prefetched - started) / 1e6, 1),
+        "bitexact": exact,
+    }
+
+
+def link_figures(root: Path, v0: Path, to_version: str, expected_hash: str, public_key: Path) -> dict[str, Any]:
+    """:func:`link_transfer` of ``to_version`` by delta and by snapshot, for each of :data:`LINKS_MBIT`
+    (the shaped links only where the machine allows network namespaces; ``skipped`` says why not)."""
+    from safetensors.torch import load_file
+
+    from benchmarks import netlink
+    from policy.weights import WeightStore
+
+    held = load_file(str(v0 / "model.safetensors"))
+    target = WeightStore(root / "store").state_dict(to_version)
+    missing = netlink.available()
+    out: dict[str, Any] = {"version": to_version}
+    for mbit in LINKS_MBIT:
+        name = f"{mbit // 1000}gbit" if mbit else "local"
+        if mbit and missing:
+            out[name] = {"skipped": missing}
+            continue
+        with remote_store(root, mbit) if mbit else contextlib.nullcontext(str(root / "store")) as url:
+            kinds = {
+                label: link_transfer(url, held, target, to_version=to_version, expected_hash=expected_hash,
+                                     kind=kind, public_key=public_key)
+                for label, kind in (("delta", "delta"), ("full", "snapshot"))
+            }  # fmt: skip
+        row: dict[str, Any] = {"link_mbit": mbit or None, **kinds}
+        row["speedup"] = round(kinds["full"]["transfer_apply_s"] / kinds["delta"]["transfer_apply_s"], 2)
+        if mbit:
+            for figures in kinds.values():
+                figures["link_floor_s"] = round(figures["bytes"] * 8 / (mbit * 1e6), 3)
+        out[name] = row
+    return out
+
+
 def phase_totals(result: Any) -> dict[str, Any]:
     """Seconds per rollout step, summed over replicas (engine-side phases nested), plus the rollout's own."""
     totals: dict[str, Any] = {"engine_prefetch": {}, "engine_apply": {}}
@@ -202,7 +390,18 @@ def main() -> None:
         default=1,
         help="pairs of rollouts (delta, then snapshot) in a row; the last pair is reported, all are listed",
     )
+    parser.add_argument(
+        "--change",
+        choices=("trainer", "synthetic"),
+        default="trainer",
+        help="what makes each new version: the RL trainer (default) or the earlier synthetic 4%% change",
+    )
+    parser.add_argument("--trainer-steps", type=int, default=1, help="trainer steps per version (--change trainer)")
+    parser.add_argument("--tasks-per-step", type=int, default=2, help="task groups per trainer step")
+    parser.add_argument("--no-links", action="store_true", help="skip the local / 1 / 10 Gbit/s comparison")
     args = parser.parse_args()
+    if args.trainer_steps < 1 or args.tasks_per_step < 1:
+        raise SystemExit("--trainer-steps and --tasks-per-step must be at least 1")
     from benchmarks import netlink
 
     missing = netlink.available()
@@ -253,13 +452,19 @@ def main() -> None:
             ).start()
             for i in range(3)
         ]
+        trainer: dict[str, Any] = {}
         try:
-            current = load_file(str(ckpt / "model.safetensors"))
-            for i in range(1, 2 * args.rounds + 1):
-                current = training_step(current, seed=i)
-                # A snapshot where a full rollout goes (even versions); every version has its delta.
-                hashes[f"v{i}"] = store.put(current, version=f"v{i}", full=i % 2 == 0).version_hash
-            del current
+            if args.change == "trainer":
+                made = trainer_versions(
+                    ckpt, 2 * args.rounds, steps=args.trainer_steps, tasks_per_step=args.tasks_per_step, info=trainer
+                )
+            else:
+                made = synthetic_versions(load_file(str(ckpt / "model.safetensors")), 2 * args.rounds)
+            for i, state in enumerate(made, start=1):
+                # A snapshot where a full rollout goes (even versions) and of v1 (``links`` pulls it both
+                # ways); every version has its delta.
+                hashes[f"v{i}"] = store.put(state, version=f"v{i}", full=i % 2 == 0 or i == 1).version_hash
+            del made
             for p in procs:
                 p.wait_ready(timeout_s=300)
             url = f"sqlite:///{root / 'db.sqlite'}"
@@ -298,6 +503,7 @@ def main() -> None:
                 p.kill()
             stack.close()
         manifests = {m.version: m for m in store.manifests()}
+        links = None if args.no_links else link_figures(root, ckpt, "v1", hashes["v1"], root / "keys" / "weights.pub")
     delta, full = rounds[-1]
     last = 2 * args.rounds
     phases = {"delta": phase_totals(delta), "full": phase_totals(full)}
@@ -333,6 +539,9 @@ def main() -> None:
             else "local filesystem, files in the page cache (no network between store and replicas)"
         ),
         "link_mbit": args.link_mbit or None,
+        "change": args.change,
+        "trainer": trainer or None,
+        "links": links,
         "total_s": round(time.perf_counter() - started, 1),
         "note": "3 CPU engine replicas, the gateway and the load clients share the machine; single runs are noisy",
     }
