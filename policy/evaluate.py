@@ -29,6 +29,8 @@ class EvalConfig:
     max_tokens: int = 48
     seed: int = 1234
     per_tier: int = 32
+    """Held-out tasks per tier given single completions; 0: none (with ``agent_per_tier`` 0 too, nothing is
+    evaluated: a version that is not meant to serve, such as the demo's gate drill)."""
     batch_size: int = 64
     agent_per_tier: int = 0
     """Held-out tasks per tier given agent sessions (:mod:`policy.agent_eval`); 0: none."""
@@ -96,21 +98,23 @@ def evaluate(
     """Pass-and-keep rate of ``model`` on the held-out evaluation set; with ``agent_per_tier``, also the
     agent's held-out task success (``eval/agent/success``, ``eval/agent/mean_turns``, ...)."""
     cfg = cfg or EvalConfig()
-    tasks = heldout_eval_set(cfg.per_tier)
-    samples = sample_bodies(
-        model,
-        tokenizer,
-        tasks,
-        n=cfg.samples_per_task,
-        temperature=cfg.temperature,
-        max_tokens=cfg.max_tokens,
-        seed=cfg.seed,
-        batch_size=cfg.batch_size,
-    )
-    flat = [(t, body) for t, rows in zip(tasks, samples, strict=True) for _, body in rows]
-    checked = check_many(flat)
-    per_task = [checked[i * cfg.samples_per_task : (i + 1) * cfg.samples_per_task] for i in range(len(tasks))]
-    metrics = summarize(tasks, per_task)
+    metrics: dict[str, float] = {}
+    if cfg.per_tier > 0:
+        tasks = heldout_eval_set(cfg.per_tier)
+        samples = sample_bodies(
+            model,
+            tokenizer,
+            tasks,
+            n=cfg.samples_per_task,
+            temperature=cfg.temperature,
+            max_tokens=cfg.max_tokens,
+            seed=cfg.seed,
+            batch_size=cfg.batch_size,
+        )
+        flat = [(t, body) for t, rows in zip(tasks, samples, strict=True) for _, body in rows]
+        checked = check_many(flat)
+        per_task = [checked[i * cfg.samples_per_task : (i + 1) * cfg.samples_per_task] for i in range(len(tasks))]
+        metrics.update(summarize(tasks, per_task))
     if cfg.agent_per_tier > 0:
         from policy.agent_eval import AgentEvalConfig, evaluate_agent
 

@@ -30,7 +30,9 @@ replicas, whole or streamed.
 - ``GET /gateway/metrics``: per-version request counts, error rates, latency and the
   acceptance proxy, which the deployer's gate reads. In it, one user's signals count at most
   ``gate_signals_per_user`` times per version and the most extreme users are trimmed
-  (``gate_trim_users``): a handful of accounts cannot carry the gate.
+  (``gate_trim_users``): a handful of accounts cannot carry the gate. A multi-turn session whose
+  turns several versions served (a canary rolled back mid-session) judges none of them
+  (``unjudged``).
 - Clients authenticate with an API key per client integration (:mod:`serving.keys`; ``Authorization:
   Bearer ugw_...``, what the ``openai`` SDK sends as ``api_key``), unless the gateway is built
   without a key ring. Each client and each user has a rate (:mod:`serving.ratelimit`); beyond it,
@@ -70,7 +72,7 @@ from serving.limits import BodyLimit
 from serving.protocol import ChatCompletionRequest, CompletionRequest
 from serving.ratelimit import Buckets
 from serving.telemetry import TelemetryEmitter
-from serving.trust import Refusal, SignalTrust, remember
+from serving.trust import MIXED, Refusal, SignalTrust, remember
 from serving.turns import MAX_SESSION_ID
 
 log = structlog.get_logger(__name__)
@@ -217,6 +219,8 @@ class Gateway:
             lambda: VersionStats(per_user_cap=config.gate_signals_per_user, trim=config.gate_trim_users)
         )
         self.errors: Counter[str] = Counter()
+        self.unjudged: Counter[str] = Counter()
+        """Acceptance signals that judge no version (``mixed_versions``: the session had turns from several)."""
         self.trust = SignalTrust(config.signal_max_skew_s)
         self.client_rate = Buckets(config.client_rate_per_s, config.client_burst)
         self.user_rate = Buckets(config.user_rate_per_s, config.user_burst)
@@ -627,6 +631,9 @@ class Gateway:
         version = self.trust.version(session_id)
         if version is None or session_id is None:
             return
+        if version == MIXED:  # e.g. a session a rolled-back canary wrote part of: it judges neither version
+            self.unjudged["mixed_versions"] += 1
+            return
         value: float | None = ACCEPT_TYPES.get(kind)
         if kind == "feedback.thumbs":
             value = 1.0 if payload.get("value") == 1 else 0.0
@@ -640,6 +647,7 @@ class Gateway:
         out: dict[str, Any] = {
             "versions": {v: s.summary() for v, s in self.stats.items()},
             "errors": dict(self.errors),
+            "unjudged": dict(self.unjudged),
         }
         if self.emitter is not None:
             out["telemetry"] = self.emitter.snapshot()

@@ -43,6 +43,10 @@ class Refusal:
     message: str
 
 
+MIXED = "<mixed>"
+"""The version of a session whose turns several versions served (after a rollout or a rollback mid-session)."""
+
+
 def remember(store: OrderedDict[Any, Any], key: Any, value: Any) -> None:
     """Put ``key`` in ``store`` as its most recent entry, forgetting the oldest past ``MAX_REMEMBERED``."""
     store[key] = value
@@ -61,7 +65,12 @@ class SignalTrust:
         self.users: OrderedDict[tuple[str | None, str], None] = OrderedDict()
 
     def served(self, session_id: str, version: str, user: str | None, client: str | None = None) -> None:
-        """Remember that ``session_id`` was served by ``version`` to ``user`` through ``client``."""
+        """Remember that ``session_id`` was served by ``version`` to ``user`` through ``client``; a
+        multi-turn session whose turns were served by more than one version is remembered as
+        :data:`MIXED` (what its user thinks of it judges no single version)."""
+        entry = self.sessions.get(session_id)
+        if entry is not None and entry[0] != version:
+            version = MIXED
         remember(self.sessions, session_id, (version, user, client))
         if user is not None:
             remember(self.users, (client, user), None)
@@ -85,7 +94,7 @@ class SignalTrust:
         return None
 
     def version(self, session_id: str | None) -> str | None:
-        """The version that served ``session_id``, if this gateway served it."""
+        """The version that served ``session_id``, if this gateway served it (:data:`MIXED` when several did)."""
         entry = self.sessions.get(session_id or "")
         return entry[0] if entry is not None else None
 

@@ -10,9 +10,10 @@ no update is running, the orchestrator submits the loop as one Celery chain (``c
 through the planner (only when the forecast of the trace's next window leaves one to lend), trains
 on production rollouts, stores the version as a delta, and deploys it through the gate. Once, after
 a version was promoted, a **gate drill** submits an update with a destructive learning rate: the
-canary's online acceptance collapses and the gate must roll it back. At the end: a table per
-version (held-out keep rate = retention, held-out pass rate = acceptance, online acceptance,
-reward model, rollout outcome) and one JSON object.
+canary's online acceptance collapses and the gate must roll it back (the drill's version is not
+evaluated on the held-out set: it is not meant to serve, and the evaluation is most of an update's
+time). At the end: a table per version (held-out keep rate = retention, held-out pass rate =
+acceptance, online acceptance, reward model, rollout outcome) and one JSON object.
 """
 
 from __future__ import annotations
@@ -180,10 +181,11 @@ class Orchestrator:
         from scheduler.loop.submit import submit
 
         rl = RLInputs(groups_per_step=self.opts.groups_per_step, eval=eval_fields(self.opts))
-        if kind == "drill":
-            rl = rl.model_copy(update={"lr": self.opts.drill_lr, "label": "gate drill"})
+        if kind == "drill":  # not meant to serve: its held-out evaluation (most of an update's time) is skipped
+            no_eval = {"per_tier": 0, "agent_per_tier": 0}
+            rl = rl.model_copy(update={"lr": self.opts.drill_lr, "label": "gate drill", "eval": no_eval})
         run_id = f"{kind}-{uuid.uuid4().hex[:6]}"
-        state = LoopState(run_id=run_id, kind="loop", evaluate=True, rl=rl, requested_by="demo")
+        state = LoopState(run_id=run_id, kind="loop", evaluate=kind != "drill", rl=rl, requested_by="demo")
         self.inflight = submit(self.stack.engine, self.settings, state, celery=self.celery)
         self.inflight_kind, self.inflight_since = kind, time.monotonic()
         self.groups_at_submit = self.groups()

@@ -82,3 +82,16 @@ def test_a_warm_up_with_agent_transcripts_and_its_evaluation(sandbox) -> None:  
     both = evaluate(model, tokenizer, EvalConfig(per_tier=1, samples_per_task=1, agent_per_tier=1, agent_samples=2))
     assert "eval/keep_rate" in both and both["eval/agent/sessions"] == 6
     assert 0.0 <= both["eval/agent/success"] <= 1.0
+
+
+def test_an_evaluation_of_nothing_samples_nothing(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """The demo's gate drill is not meant to serve: with no tasks asked for, no model is even run."""
+    from policy.evaluate import EvalConfig, evaluate
+
+    class Untouchable:
+        def __getattr__(self, name: str) -> None:
+            raise AssertionError(f"the model was used ({name})")
+
+    assert evaluate(Untouchable(), tokenizer, EvalConfig(per_tier=0, agent_per_tier=0)) == {}  # type: ignore[arg-type]
+    small = evaluate(build_model("tiny", len(tokenizer), seed=0), tokenizer, EvalConfig(per_tier=1, samples_per_task=1))
+    assert 0.0 <= small["eval/keep_rate"] <= 1.0

@@ -236,3 +236,22 @@ def test_signals_on_agent_sessions_and_on_single_requests_are_judged_apart(one_e
             assert signal(url, plugin, type="edit.accepted", session_id=sid, user_id="dev").status_code == 202
         kinds = metrics(url)["versions"]["v0"]["by_kind"]
     assert kinds == {"agent": {"acceptance": 0.0, "judged": 2}, "single": {"acceptance": 1.0, "judged": 3}}
+
+
+def test_a_session_several_versions_served_judges_none_of_them() -> None:
+    """An agent session a rolled-back canary wrote turns of, finished on the version after it, is not
+    the later version's fault: its signals judge neither (they used to count against the last one)."""
+    from fastapi.testclient import TestClient
+
+    gw = Gateway(static_replicas([]), None, GatewayConfig(), "undertow-policy")
+    client = TestClient(create_gateway_app(gw))
+    gw.trust.served("agent-mixed", "v1", "dev")
+    gw.trust.served("agent-mixed", "v2", "dev")
+    gw.trust.served("agent-one", "v2", "dev")
+    gw.trust.served("agent-one", "v2", "dev")
+    for sid in ("agent-mixed", "agent-one"):
+        body = {"type": "edit.rejected", "session_id": sid, "user_id": "dev", "payload": {}}
+        assert client.post("/v1/signals", json=body).status_code == 202
+    metrics = gw.metrics()
+    assert {v: s["judged"] for v, s in metrics["versions"].items()} == {"v2": 1}
+    assert metrics["unjudged"] == {"mixed_versions": 1}
