@@ -11,20 +11,20 @@ Default composite weights, and why (see :mod:`reward_models.labels`):
 - ``churn`` 0.0: user level, high bias (users leave for many reasons) and low variance; opt in.
 - judge dimensions 0.0: an LLM judge is another model's opinion; off until a team configures it.
 
-How much one user can weigh (:mod:`reward_models.robust`): ``max_user_share`` 0.02. Every
-account, an attacker's too, stays under it, so k accounts hold at most k times it:
-``benchmarks/poisoning.py`` (100 honest users, 5 attackers at their full signal rate, all their
-signals inverted) moves the held-out AUC by 0.025 with 0.05 and by 0.011 with 0.02, while clean
-data trains the same model there (the AUC equal to the fourth decimal). The price is paid by
-honest users far heavier than the rest: with heavy-tailed volumes (100 users) 0.02 costs -0.009
-AUC composite and -0.023 on the retention head, against +0.0015 and -0.006 for 0.05; on 40
-users with similar volumes -0.002. With fewer than 50 users the cap is ``1 / users`` (equal
-shares). 1.0 turns it off.
+How much one user can weigh (:mod:`reward_models.robust`): ``max_user_share`` 0.02. Every account,
+an attacker's too, stays under it, so k accounts hold at most k times it:
+``benchmarks/poisoning.py`` (measured with the hashed head; 100 honest users, 5 attackers at their
+full signal rate, all their signals inverted) moves the held-out AUC by 0.025 with 0.05 and by
+0.011 with 0.02, while clean data trains the same model there (the AUC equal to the fourth
+decimal). The price is paid by honest users far heavier than the rest: with heavy-tailed volumes
+(100 users) 0.02 costs -0.009 AUC composite and -0.023 on the retention head, against +0.0015 and
+-0.006 for 0.05; on 40 users with similar volumes -0.002. With fewer than 50 users the cap is ``1 /
+users`` (equal shares). 1.0 turns it off.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, SecretStr
 
@@ -96,6 +96,18 @@ class RewardsConfig(BaseModel):
     # Models
     backend: Literal["sklearn", "torch"] = "sklearn"
     """Reward-model backend: scikit-learn pipelines (default) or the torch reward head."""
+    pointwise_model: Literal["text", "hashed"] = "text"
+    """Retention and acceptance heads (scikit-learn backend): TF-IDF text model, or hashed n-grams with SGD."""
+    text_c_grid: list[Annotated[float, Field(gt=0)]] = Field(
+        default_factory=lambda: [0.1, 0.3, 1.0, 3.0, 10.0], min_length=1
+    )
+    """Text model: inverse L2 strengths tried by the inner cross-validation grouped by user."""
+    text_cv_folds: int = Field(default=4, ge=2)
+    """Text model: folds of the inner cross-validation (grouped by user) that picks ``C`` and fits calibration."""
+    text_cv_max_rows: int = Field(default=50_000, ge=100)
+    """Text model: above this many training rows, the inner cross-validation runs on a seeded sample this size."""
+    text_max_chars: int = Field(default=20_000, ge=100)
+    """Text model: characters of a prompt or response read (the start); the rest is ignored."""
     hash_features: int = Field(default=1 << 18, ge=16)
     """Width of the hashed text feature space (unigrams and bigrams of prompt and completion)."""
     sgd_epochs: int = Field(default=8, ge=1)

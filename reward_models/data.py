@@ -5,6 +5,9 @@ session's id in ``agent_session``) with the texts the reward models read, the
 policy's own mean logprob over the generated tokens (its confidence, the baseline every model
 must beat) and edit statistics from ``files``. ``load_signals`` returns every signal row with
 its payload. Times are timezone-aware UTC, as the ingest tables' columns return them.
+Besides the mean, ``logprob_min`` and ``logprob_std`` summarize the served token logprobs; a
+session without per-token logprobs takes all three from its payload's ``served_logprobs`` summary
+(``{mean, min, std, ...}``: what a source that logged only a summary sends), else NaN.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ SESSION_COLUMNS = [
     "lines_added",
     "lines_removed",
     "agent_session",
+    "logprob_min",
+    "logprob_std",
 ]
 SIGNAL_COLUMNS = [
     "event_id",
@@ -61,6 +66,30 @@ def mean_logprob(chunks: Sequence[bytes | None]) -> float:
     if values.size == 0 or not np.all(np.isfinite(values)):
         return float("nan")
     return float(values.mean())
+
+
+def logprob_stats(chunks: Sequence[bytes | None], served: Any = None) -> tuple[float, float, float]:
+    """Mean, min and standard deviation of the logprobs packed in ``chunks``, else of the ``served`` summary.
+
+    NaN where a value is missing or not finite (one non-finite token logprob makes all three NaN).
+    """
+    arrays = [unpack_floats(raw) for raw in chunks if raw]
+    values = np.concatenate(arrays) if arrays else np.zeros(0)
+    if values.size:
+        if not np.all(np.isfinite(values)):
+            return float("nan"), float("nan"), float("nan")
+        return float(values.mean()), float(values.min()), float(values.std())
+    return _served_stats(served)
+
+
+def _served_stats(served: Any) -> tuple[float, float, float]:
+    """``(mean, min, std)`` of a payload's ``served_logprobs`` summary; NaN for what it lacks."""
+    out = []
+    for key in ("mean", "min", "std"):
+        value = served.get(key) if isinstance(served, dict) else None
+        number = float(value) if isinstance(value, int | float) and not isinstance(value, bool) else float("nan")
+        out.append(number if np.isfinite(number) else float("nan"))
+    return out[0], out[1], out[2]
 
 
 def _agent_session(extra: dict[str, Any] | None) -> str | None:
@@ -129,6 +158,7 @@ def load_sessions(
     records = []
     for r in rows:
         added, removed = _edit_stats(r.extra)
+        lp_mean, lp_min, lp_std = logprob_stats(logprobs.get(r.session_id, []), (r.extra or {}).get("served_logprobs"))
         records.append(
             {
                 "session_id": r.session_id,
@@ -141,10 +171,12 @@ def load_sessions(
                 "prompt_text": r.prompt_text or "",
                 "completion_text": r.completion_text or "",
                 "num_completion_tokens": r.num_completion_tokens or 0,
-                "mean_logprob": mean_logprob(logprobs.get(r.session_id, [])),
+                "mean_logprob": lp_mean,
                 "lines_added": added,
                 "lines_removed": removed,
                 "agent_session": _agent_session(r.extra),
+                "logprob_min": lp_min,
+                "logprob_std": lp_std,
             }
         )
     frame = pd.DataFrame.from_records(records, columns=SESSION_COLUMNS)
@@ -188,8 +220,14 @@ def session_records(events: Sequence[dict[str, Any]]) -> pd.DataFrame:
         p = ev.get("payload") or {}
         segments = [s for s in (p.get("segments") or []) if isinstance(s, dict)]
         assistant = [s for s in segments if s.get("role") == "assistant"]
-        lps = [float(x) for s in assistant for x in (s.get("logprobs") or [])]
-        lp = float(np.mean(lps)) if lps and np.all(np.isfinite(lps)) else float("nan")
+        lps = np.asarray([float(x) for s in assistant for x in (s.get("logprobs") or [])], dtype=np.float64)
+        if lps.size:
+            finite = bool(np.all(np.isfinite(lps)))
+            lp_mean, lp_min, lp_std = (
+                (float(lps.mean()), float(lps.min()), float(lps.std())) if finite else (float("nan"),) * 3
+            )
+        else:
+            lp_mean, lp_min, lp_std = _served_stats(p.get("served_logprobs"))
         prompt = p.get("prompt") or {}
         added, removed = _edit_stats({"files": p.get("files") or []})
         records.append(
@@ -204,10 +242,12 @@ def session_records(events: Sequence[dict[str, Any]]) -> pd.DataFrame:
                 "prompt_text": prompt.get("text") or "" if isinstance(prompt, dict) else "",
                 "completion_text": "".join(str(s.get("text") or "") for s in assistant),
                 "num_completion_tokens": sum(len(s.get("token_ids") or []) for s in assistant),
-                "mean_logprob": lp,
+                "mean_logprob": lp_mean,
                 "lines_added": added,
                 "lines_removed": removed,
                 "agent_session": _agent_session(p),
+                "logprob_min": lp_min,
+                "logprob_std": lp_std,
             }
         )
     return pd.DataFrame.from_records(records, columns=SESSION_COLUMNS)

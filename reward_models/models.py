@@ -3,10 +3,14 @@
 Two backends behind one interface (``fit`` / ``score``), chosen by ``RewardsConfig.backend``
 through :func:`setup_pointwise` and :func:`setup_pairwise`:
 
-- ``sklearn`` (default): a ``Pipeline`` of :class:`~reward_models.features.Featurizer` and an
-  ``SGDClassifier`` with log loss. The pairwise head is Bradley-Terry fitted as a logistic
-  regression without intercept on feature differences ``x_chosen - x_rejected`` (each pair also
-  mirrored), whose loss is exactly ``-log sigmoid(r_c - r_r)`` with ``r = w . x``.
+- ``sklearn`` (default): the pointwise heads (retention, acceptance) are the text model
+  :class:`~reward_models.text_model.TextRewardModel` (word and character TF-IDF plus numeric
+  features, ``C`` by cross-validation grouped by user, calibrated on out-of-fold scores;
+  ``pointwise_model = "text"``), or with ``pointwise_model = "hashed"`` a ``Pipeline`` of
+  :class:`~reward_models.features.Featurizer` and an ``SGDClassifier`` with log loss. The
+  pairwise head is Bradley-Terry fitted as a logistic regression without intercept on feature
+  differences ``x_chosen - x_rejected`` (each pair also mirrored), whose loss is exactly
+  ``-log sigmoid(r_c - r_r)`` with ``r = w . x``, on the hashed features.
 - ``torch``: :class:`~reward_models.torch_head.TorchRewardHead` on the same sparse features,
   trained with :func:`~reward_models.losses.bradley_terry_loss` (with margin) or BCE.
 
@@ -31,6 +35,7 @@ from sklearn.pipeline import Pipeline
 
 from reward_models.config import RewardsConfig
 from reward_models.features import Featurizer
+from reward_models.text_model import TextRewardModel
 
 
 class Head(Protocol):
@@ -110,6 +115,14 @@ def setup_pointwise(config: RewardsConfig) -> Any:
         from reward_models.torch_head import TorchPointwise
 
         return TorchPointwise(config)
+    if config.pointwise_model == "text":
+        return TextRewardModel(
+            c_grid=config.text_c_grid,
+            folds=config.text_cv_folds,
+            cv_max_rows=config.text_cv_max_rows,
+            max_chars=config.text_max_chars,
+            seed=config.seed,
+        )
     return SklearnPointwise(config)
 
 

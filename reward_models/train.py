@@ -141,6 +141,53 @@ def _user_cap(users: np.ndarray, base: np.ndarray | None, config: RewardsConfig)
     }
 
 
+def labeled_frame(
+    sessions: pd.DataFrame,
+    signals: pd.DataFrame,
+    config: RewardsConfig,
+    now: datetime,
+    *,
+    judge_scores: pd.DataFrame | None = None,
+) -> tuple[pd.DataFrame, LabelSet, dict[str, int]]:
+    """Sessions with completion text joined with their labels as of ``now`` (index ``session_id``).
+
+    Returns the frame, the label set (pairs, position bias) and the counts of what was skipped.
+    ``occurred_at`` may be RFC 3339 strings of mixed precision (as envelopes carry them).
+    """
+    if sessions.empty:
+        raise TrainingDataError("No sessions to train on.")
+    sessions = sessions.copy()
+    sessions["occurred_at"] = pd.to_datetime(sessions["occurred_at"], utc=True, format="ISO8601")
+    skipped: dict[str, int] = {"sessions_total": len(sessions)}
+    no_text = sessions["completion_text"].fillna("").astype(str).str.strip() == ""
+    skipped["sessions_without_text"] = int(no_text.sum())
+    skipped["sessions_missing_logprob"] = int(sessions["mean_logprob"].isna().sum())
+    sessions = sessions[~no_text].reset_index(drop=True)
+    if sessions.empty:
+        raise TrainingDataError("Every session in the window lacks completion text; nothing to learn from.")
+    labels = build_labels(sessions, signals, config, now, judge_scores)
+    skipped.update(labels.skipped)
+    frame = sessions.set_index("session_id").join(labels.sessions)
+    frame.index.name = "session_id"
+    return frame, labels, skipped
+
+
+def pointwise_rows(frame: pd.DataFrame, name: str, config: RewardsConfig) -> tuple[pd.DataFrame, np.ndarray]:
+    """The rows of ``frame`` labeled for head ``name`` (retention: final labels only) and their binary labels."""
+    rows = frame[frame[name].notna() & (frame["retention_final"] if name == "retention" else True)]
+    return rows, (rows[name].to_numpy() >= config.positive_threshold).astype(int)
+
+
+def fit_pointwise_head(rows: pd.DataFrame, y: np.ndarray, config: RewardsConfig) -> tuple[Any, dict[str, float]]:
+    """One pointwise head (:func:`~reward_models.models.setup_pointwise`) on labeled rows, each user capped.
+
+    Returns the head and what the per-user cap did. What :func:`fit_reward_models` runs per head, and
+    what a benchmark calls to train the project's model on folds of its own.
+    """
+    weight, cap = _user_cap(rows["user_id"].to_numpy(dtype=object), None, config)
+    return setup_pointwise(config).fit(rows.reset_index(), y, weight), cap
+
+
 def fit_reward_models(
     sessions: pd.DataFrame,
     signals: pd.DataFrame,
@@ -172,21 +219,7 @@ def fit_reward_models(
     Raises :class:`TrainingDataError` when nothing can be trained. :func:`train_reward_models`
     is this plus loading, the LLM judge, the comparison with the promoted version and the registry.
     """
-    if sessions.empty:
-        raise TrainingDataError("No sessions to train on.")
-    sessions = sessions.copy()
-    sessions["occurred_at"] = pd.to_datetime(sessions["occurred_at"], utc=True)
-    skipped: dict[str, int] = {"sessions_total": len(sessions)}
-    no_text = sessions["completion_text"].fillna("").str.strip() == ""
-    skipped["sessions_without_text"] = int(no_text.sum())
-    skipped["sessions_missing_logprob"] = int(sessions["mean_logprob"].isna().sum())
-    sessions = sessions[~no_text].reset_index(drop=True)
-    if sessions.empty:
-        raise TrainingDataError("Every session in the window lacks completion text; nothing to learn from.")
-    labels = build_labels(sessions, signals, config, now, judge_scores)
-    skipped.update(labels.skipped)
-    frame = sessions.set_index("session_id").join(labels.sessions)
-    frame.index.name = "session_id"
+    frame, labels, skipped = labeled_frame(sessions, signals, config, now, judge_scores=judge_scores)
     has_label = frame[["retention", "acceptance", "reward"]].notna().any(axis=1)
     in_pairs = frame.index.isin(labels.pairs["chosen"]) | frame.index.isin(labels.pairs["rejected"])
     labeled = frame[has_label | in_pairs]
@@ -213,9 +246,8 @@ def fit_reward_models(
     metrics: dict[str, Any] = {}
     user_caps: dict[str, dict[str, float]] = {}
     for name in POINTWISE_HEADS:
-        tr = train[train[name].notna() & (train["retention_final"] if name == "retention" else True)]
-        te = test[test[name].notna() & (test["retention_final"] if name == "retention" else True)]
-        y_tr = (tr[name].to_numpy() >= config.positive_threshold).astype(int)
+        tr, y_tr = pointwise_rows(train, name, config)
+        te, y_te = pointwise_rows(test, name, config)
         if len(tr) < config.min_train_rows:
             skipped_heads[name] = f"{len(tr)} labeled training sessions, need {config.min_train_rows}"
             continue
@@ -223,9 +255,7 @@ def fit_reward_models(
             skipped_heads[name] = f"training labels are a single class ({int(y_tr[0])}) in {len(tr)} sessions"
             continue
         log.info("training head", head=name, rows=len(tr), backend=config.backend)
-        weight, user_caps[name] = _user_cap(tr["user_id"].to_numpy(dtype=object), None, config)
-        head = setup_pointwise(config).fit(tr.reset_index(), y_tr, weight)
-        y_te = (te[name].to_numpy() >= config.positive_threshold).astype(int)
+        head, user_caps[name] = fit_pointwise_head(tr, y_tr, config)
         logit = head.score(te.reset_index()) if len(te) else np.zeros(0)
         metrics[name] = ev.pointwise_report(y_te, logit, te["mean_logprob"].to_numpy(dtype=float), float(y_tr.mean()))
         heads[name] = head

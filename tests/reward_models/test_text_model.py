@@ -1,0 +1,179 @@
+"""The text reward model: it learns a text signal that holds for unseen users, its probabilities are
+calibrated, and hostile or missing input (empty, huge, undecodable text, no logprobs) never breaks it."""
+
+from __future__ import annotations
+
+import pickle
+from datetime import UTC, datetime, timedelta
+
+import numpy as np
+import pandas as pd
+import pytest
+from sklearn.feature_extraction.text import TfidfVectorizer
+
+from reward_models import evaluation as ev
+from reward_models.config import RewardsConfig
+from reward_models.data import session_records, signal_records
+from reward_models.models import SklearnPointwise, setup_pointwise
+from reward_models.synthetic import generate_events
+from reward_models.text_model import TextRewardModel, TfidfBlock
+from reward_models.train import fit_reward_models
+
+GOOD = ["sorted", "enumerate", "return", "isinstance", "yield", "dict", "zip", "with"]
+BAD = ["TODO", "pass", "eval", "global", "except:", "print", "sleep", "exit"]
+FILLER = [f"name{i}" for i in range(300)] + ["x", "y", "=", "(", ")", ":", "+", "for", "in", "if"]
+
+
+def sessions(n: int, seed: int, users: int = 60) -> tuple[pd.DataFrame, np.ndarray, np.ndarray]:
+    """``n`` distinct answers: a label drawn from how many good and bad markers the answer holds.
+
+    Returns the frame, the labels and the true probabilities. Every answer's filler is random, so no
+    two texts repeat: a model can only score a held-out user's answer by the markers.
+    """
+    rng = np.random.default_rng(seed)
+    texts, logits = [], []
+    for _ in range(n):
+        good, bad = rng.integers(0, 4), rng.integers(0, 4)
+        words = list(rng.choice(FILLER, 25)) + list(rng.choice(GOOD, good)) + list(rng.choice(BAD, bad))
+        rng.shuffle(words)
+        texts.append("def f(x):\n    " + " ".join(words) + "\n")
+        logits.append(1.5 * (good - bad))
+    prob = 1.0 / (1.0 + np.exp(-np.asarray(logits)))
+    y = (rng.random(n) < prob).astype(int)
+    frame = pd.DataFrame(
+        {
+            "session_id": [f"s{seed}-{i}" for i in range(n)],
+            "user_id": [f"u{seed}-{i % users}" for i in range(n)],
+            "prompt_text": rng.choice(["Write f.", "Please implement f(x).", "f, quickly"], n),
+            "completion_text": texts,
+            "num_completion_tokens": [len(t.split()) for t in texts],
+            "mean_logprob": rng.normal(-0.5, 0.2, n),
+            "logprob_min": rng.normal(-4.0, 1.0, n),
+            "logprob_std": rng.uniform(0.3, 1.0, n),
+        }
+    )
+    return frame, y, prob
+
+
+def test_learns_a_text_signal_that_holds_for_unseen_users() -> None:
+    train, y_train, _ = sessions(1500, seed=1)
+    test, y_test, prob = sessions(600, seed=2)  # other users, other answers
+    assert not set(train["user_id"]) & set(test["user_id"])
+    model = TextRewardModel().fit(train, y_train)
+    auc = ev.auc(y_test, model.score(test)) or 0.0
+    best = ev.auc(y_test, prob) or 0.0  # what the true probabilities reach on these labels
+    assert auc > 0.8 and auc > best - 0.06, (auc, best)
+    assert (ev.auc(y_test, test["mean_logprob"].to_numpy()) or 0.0) < 0.6  # the logprobs carry nothing here
+    # The same data with the labels shuffled teaches nothing that holds for the held-out users.
+    shuffled = TextRewardModel().fit(train, np.random.default_rng(0).permutation(y_train))
+    assert abs((ev.auc(y_test, shuffled.score(test)) or 0.5) - 0.5) < 0.08
+
+
+def test_probabilities_are_calibrated() -> None:
+    train, y_train, _ = sessions(3000, seed=3)
+    test, y_test, prob = sessions(3000, seed=4)
+    p = TextRewardModel().fit(train, y_train).predict_proba(test)
+    ece = ev.expected_calibration_error(y_test, p) or 1.0
+    floor = ev.expected_calibration_error(y_test, prob) or 0.0  # the true probabilities' ECE at this size
+    assert ece < 0.05 and ece < floor + 0.03, (ece, floor)
+    assert abs(p.mean() - y_test.mean()) < 0.03
+
+
+def test_served_logprobs_are_used_where_they_exist_and_missing_ones_are_imputed() -> None:
+    frame, _, _ = sessions(1600, seed=5)
+    rng = np.random.default_rng(5)
+    frame["mean_logprob"] = rng.normal(-0.5, 0.3, len(frame))
+    y = (rng.random(len(frame)) < 1 / (1 + np.exp(-6 * (frame["mean_logprob"] + 0.5)))).astype(int)
+    missing = rng.random(len(frame)) < 0.3
+    frame.loc[missing, ["mean_logprob", "logprob_min", "logprob_std"]] = np.nan
+    train, test = frame.index < 1200, frame.index >= 1200
+    model = TextRewardModel().fit(frame[train], y[train])
+    scores = model.score(frame[test])
+    assert np.all(np.isfinite(scores))
+    known = ~missing[test]
+    assert (ev.auc(y[test][known], scores[known]) or 0.0) > 0.75
+    # Without any logprob column at all (a client that sends none), scoring still works.
+    bare = frame[test].drop(columns=["mean_logprob", "logprob_min", "logprob_std"])
+    assert np.all(np.isfinite(model.score(bare)))
+
+
+def test_empty_huge_and_undecodable_text() -> None:
+    frame, y, _ = sessions(400, seed=6)
+    model = TextRewardModel(max_chars=5000).fit(frame, y)
+    hostile = pd.DataFrame(
+        {
+            "completion_text": [
+                "",
+                None,
+                float("nan"),
+                "def f(x):\n    return sorted(x)\n" + "x" * 5_000_000,
+                b"def f(x):\xff\xfe return x",
+                "bad \udcff surrogate \x00 nul",
+                "\n\n\n",
+                12345,
+            ],
+            "prompt_text": [None, "", "p", "q" * 1_000_000, b"\x80", "\udcff", "ok", None],
+        }
+    )
+    scores = model.score(hostile)
+    assert scores.shape == (len(hostile),) and np.all(np.isfinite(scores))
+    assert model.score(hostile.iloc[:0]).shape == (0,)
+    # Training on rows with empty or missing text works too: they are rows without terms.
+    mixed = pd.concat([frame, hostile.assign(user_id="h")], ignore_index=True)
+    labels = np.concatenate([y, np.zeros(len(hostile), dtype=int)])
+    assert np.all(np.isfinite(TextRewardModel().fit(mixed, labels).score(mixed)))
+
+
+def test_bad_labels_and_weights_are_clear_errors() -> None:
+    frame, y, _ = sessions(100, seed=7)
+    with pytest.raises(ValueError, match="both classes"):
+        TextRewardModel().fit(frame, np.ones(len(frame), dtype=int))
+    with pytest.raises(ValueError, match="both classes"):
+        TextRewardModel().fit(frame, y, np.where(y == 1, 0.0, 1.0))  # positives all weigh nothing
+    with pytest.raises(ValueError, match="must match"):
+        TextRewardModel().fit(frame, y[:-1])
+    with pytest.raises(ValueError, match="non-negative"):
+        TextRewardModel().fit(frame, y, -np.ones(len(frame)))
+    with pytest.raises(ValueError, match="c_grid"):
+        TextRewardModel(c_grid=[])
+
+
+def test_tfidf_over_distinct_texts_equals_scikit_learn_over_every_row() -> None:
+    texts = pd.Series(["a b c", "a b", "a b c", "", "c d e f", "a b c", "d e"], dtype=object)
+    codes, distinct = pd.factorize(texts)
+    copies = np.bincount(codes).astype(float)
+    for analyzer, ngrams in (("word", (1, 2)), ("char_wb", (2, 4))):
+        block = TfidfBlock(analyzer, ngrams, min_df=2)
+        ours = block.fit_transform(np.asarray(distinct, dtype=object), copies)[codes]
+        reference = TfidfVectorizer(
+            analyzer=analyzer,
+            ngram_range=ngrams,
+            min_df=2,
+            sublinear_tf=True,
+            token_pattern=r"(?u)\b\w+\b|[^\w\s]" if analyzer == "word" else None,
+        )
+        expected = reference.fit_transform(texts)
+        order = [block.vocabulary_[t] for t in reference.get_feature_names_out()]
+        assert np.allclose(ours[:, order].toarray(), expected.toarray())
+
+
+def test_the_default_heads_are_the_text_model_and_survive_the_registry_pickle() -> None:
+    start = datetime(2026, 1, 5, tzinfo=UTC)
+    now = start + timedelta(days=9)
+    events, _ = generate_events(500, seed=8, start=start, span_s=6 * 86400.0, now=now)
+    sessions_frame = session_records([e for e in events if e["type"] == "session.completed"])
+    fit = fit_reward_models(sessions_frame, signal_records(events), RewardsConfig(), now)
+    assert isinstance(fit.bundle.heads["retention"], TextRewardModel)
+    assert isinstance(setup_pointwise(RewardsConfig(pointwise_model="hashed")), SklearnPointwise)
+    restored = pickle.loads(pickle.dumps(fit.bundle))
+    held = fit.test.reset_index()
+    assert np.array_equal(restored.score(held), fit.bundle.score(held))
+    assert fit.metrics["retention"]["auc"] > fit.metrics["retention"]["auc_logprob"]
+
+
+def test_term_cap_keeps_the_most_frequent_terms() -> None:
+    texts = np.array(["a b c", "a b", "a", "d", "a d"], dtype=object)
+    block = TfidfBlock("word", (1, 1), min_df=1, max_terms=2)
+    matrix = block.fit_transform(texts, np.ones(len(texts)))
+    assert set(block.vocabulary_) == {"a", "b"} or set(block.vocabulary_) == {"a", "d"}  # df: a 4, b 2, d 2, c 1
+    assert matrix.shape == (len(texts), 2) and block.transform(np.array(["c c c"], dtype=object)).nnz == 0
