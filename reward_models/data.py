@@ -57,24 +57,17 @@ SIGNAL_COLUMNS = [
 _CHUNK = 500
 
 
-def mean_logprob(chunks: Sequence[bytes | None]) -> float:
-    """Mean of the float64 logprobs packed in ``chunks``; NaN when there are none or any is not finite."""
-    arrays = [unpack_floats(raw) for raw in chunks if raw]
-    if not arrays:
-        return float("nan")
-    values = np.concatenate(arrays)
-    if values.size == 0 or not np.all(np.isfinite(values)):
-        return float("nan")
-    return float(values.mean())
-
-
 def logprob_stats(chunks: Sequence[bytes | None], served: Any = None) -> tuple[float, float, float]:
     """Mean, min and standard deviation of the logprobs packed in ``chunks``, else of the ``served`` summary.
 
     NaN where a value is missing or not finite (one non-finite token logprob makes all three NaN).
     """
     arrays = [unpack_floats(raw) for raw in chunks if raw]
-    values = np.concatenate(arrays) if arrays else np.zeros(0)
+    return _stats(np.concatenate(arrays) if arrays else np.zeros(0), served)
+
+
+def _stats(values: np.ndarray, served: Any) -> tuple[float, float, float]:
+    """``(mean, min, std)`` of the token logprobs ``values``, else of the ``served`` summary."""
     if values.size:
         if not np.all(np.isfinite(values)):
             return float("nan"), float("nan"), float("nan")
@@ -221,13 +214,7 @@ def session_records(events: Sequence[dict[str, Any]]) -> pd.DataFrame:
         segments = [s for s in (p.get("segments") or []) if isinstance(s, dict)]
         assistant = [s for s in segments if s.get("role") == "assistant"]
         lps = np.asarray([float(x) for s in assistant for x in (s.get("logprobs") or [])], dtype=np.float64)
-        if lps.size:
-            finite = bool(np.all(np.isfinite(lps)))
-            lp_mean, lp_min, lp_std = (
-                (float(lps.mean()), float(lps.min()), float(lps.std())) if finite else (float("nan"),) * 3
-            )
-        else:
-            lp_mean, lp_min, lp_std = _served_stats(p.get("served_logprobs"))
+        lp_mean, lp_min, lp_std = _stats(lps, p.get("served_logprobs"))
         prompt = p.get("prompt") or {}
         added, removed = _edit_stats({"files": p.get("files") or []})
         records.append(
