@@ -10,8 +10,11 @@ scheduler builds it from its settings sections and the job's :class:`TrainReques
   version trained from (:func:`policy.rollouts.filter_stale`: older and unknown versions drop);
 - **reward**: the composite label from user signals (:func:`reward_models.labels.build_labels`:
   retention, acceptance, selection, switch) where a session has one; else the promoted reward
-  model's score (:func:`reward_models.api.load_scorer`) as a keep probability ``sigmoid(score)``;
-  sessions with neither are skipped;
+  model's score (:func:`reward_models.api.load_scorer`) as a keep probability ``sigmoid(score)``,
+  for every member of a group that is not labeled in full (GRPO compares a group's members, so
+  their rewards share one scale);
+  sessions with neither are skipped. ``RewardsConfig.rl_reward = "labels"`` drops the second
+  source: only labeled sessions are trained on (``benchmarks/ablation.py`` compares the two);
 - **trajectories**: the turns of an agent session are one trajectory (:mod:`policy.trajectories`:
   only generated tokens trained, each turn's served logprobs, replay across turns, windows at
   self-summaries credited with the session's final reward);
@@ -31,7 +34,8 @@ scheduler builds it from its settings sections and the job's :class:`TrainReques
 
 Inputs (:class:`TrainRequest`, all optional): ``base_version`` (else the newest version), ``lr`` and
 ``steps`` (overrides; the demo's gate drill uses a destructive ``lr``), ``groups_per_step``,
-``eval`` (``EvalConfig`` fields), ``label`` (kept in the version's metrics), ``since``/``until``.
+``eval`` (``EvalConfig`` fields), ``label`` (kept in the version's metrics), ``since``/``until``,
+``now`` (the time labels are built at: which signals have arrived and which horizons have elapsed).
 """
 
 from __future__ import annotations
@@ -97,6 +101,8 @@ class TrainRequest:
     """First session time included (None: from the first session)."""
     until: datetime | None = None
     """First session time excluded (None: up to now)."""
+    now: datetime | None = None
+    """When the labels are built (None: the current time; a simulation passes its clock)."""
 
 
 def session_rewards(
@@ -108,7 +114,9 @@ def session_rewards(
     until: datetime | None = None,
 ) -> dict[str, float]:
     """Reward in [0, 1] per stored session of ``[since, until)``: the composite label, else ``sigmoid``
-    of the promoted reward model's score; sessions with neither are left out."""
+    of the promoted reward model's score (only with ``rewards_config.rl_reward == "assisted"``), one
+    source per candidate group (labels only for a group labeled in full); sessions with neither are
+    left out."""
     from reward_models.api import load_scorer
     from reward_models.data import load_sessions, load_signals
     from reward_models.labels import build_labels
@@ -120,12 +128,48 @@ def session_rewards(
     labels = build_labels(sessions, load_signals(engine), rewards_config, now or datetime.now(UTC)).sessions
     reward = labels["reward"]
     out = {str(k): float(v) for k, v in reward.items() if np.isfinite(v)}
-    missing = sessions[~sessions["session_id"].isin(list(out))]
-    if not missing.empty and current_promoted(engine) is not None:
-        scores = load_scorer(engine).score(missing)
-        for sid, s in zip(missing["session_id"], scores, strict=True):
-            out[str(sid)] = float(1.0 / (1.0 + np.exp(-s)))
+    if rewards_config.rl_reward == "labels":
+        return out
+    if current_promoted(engine) is None:
+        return out
+    # GRPO compares the members of a group with each other, so a group takes its rewards from one
+    # source: a label of 0 next to model scores around 0.5 would rank a rejected pick below candidates
+    # nobody judged. A group labeled in full keeps its labels; any other group is scored in full.
+    labeled = sessions["session_id"].astype(str).isin(list(out)).to_numpy()
+    group = _reward_groups(sessions)
+    partial = set(group[~labeled])
+    scored = sessions[~labeled | group.isin(partial).to_numpy()]
+    if not scored.empty:
+        scores = np.asarray(load_scorer(engine).score(scored), dtype=np.float64)
+        probability = 1.0 / (1.0 + np.exp(-scores))
+        if rewards_config.rl_model_reward == "best_of_group":
+            keys = group[~labeled | group.isin(partial).to_numpy()].to_numpy()
+            probability = _best_of_group(keys, scores, probability)
+        for sid, p in zip(scored["session_id"], probability, strict=True):
+            out[str(sid)] = float(p)
     return out
+
+
+def _best_of_group(keys: np.ndarray, scores: np.ndarray, probability: np.ndarray) -> np.ndarray:
+    """1 for the top-scored member of each group of 2 or more (the first on a tie), 0 for the others;
+    a session alone keeps its probability."""
+    out = probability.copy()
+    for key in set(keys.tolist()):
+        members = np.flatnonzero(keys == key)
+        if len(members) >= 2:
+            out[members] = 0.0
+            out[members[int(np.argmax(scores[members]))]] = 1.0
+    return out
+
+
+def _reward_groups(sessions: Any) -> Any:
+    """Each stored session's comparison group: its candidate group, else the group of parallel agent
+    sessions its turn ran in, else its agent session, else itself."""
+    group = sessions["group_id"].astype(object)
+    for column in ("agent_group", "agent_session", "session_id"):
+        if column in sessions:
+            group = group.where(group.notna(), sessions[column])
+    return group.astype(str)
 
 
 def load_rollouts(engine: Engine, rewards: dict[str, float], *, max_tokens: int) -> list[Rollout]:
@@ -201,7 +245,7 @@ class ProductionSession:
         self.opt = make_optimizer(self.model, tcfg)
         self.step_no = 0
         self.history: list[dict[str, float]] = []
-        rewards = session_rewards(self.engine, rewards_config, since=request.since, until=request.until)
+        rewards = session_rewards(self.engine, rewards_config, request.now, since=request.since, until=request.until)
         rollouts = load_rollouts(self.engine, rewards, max_tokens=MAX_CONTEXT)
         base_number = version_number(self.parent.version_id) or 0
         fresh, stats = filter_stale(rollouts, base_number, self.cfg.max_staleness)

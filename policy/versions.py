@@ -118,3 +118,18 @@ def flag_trained_on(session: Session, times: list[tuple[datetime, datetime]]) ->
         if row.version_id in flagged:
             row.trained_on_forgotten = (row.trained_on_forgotten or 0) + 1
     return sorted(flagged)
+
+
+def add_metrics(engine: Engine, version: str, metrics: dict[str, Any]) -> dict[str, Any]:
+    """Add metrics measured after a version was recorded (a held-out evaluation run later) to its row.
+
+    The weights and lineage stay immutable; metrics already on the row are never overwritten, so a
+    later measurement cannot rewrite what the version was gated or reported on. Returns the row's
+    metrics after the merge."""
+    with transaction(engine) as db:
+        row = db.get(PolicyVersionRow, version)
+        if row is None:
+            raise ValueError(f"policy version {version} is not recorded; nothing to add metrics to")
+        merged = {**metrics, **dict(row.metrics or {})}
+        row.metrics = merged
+        return dict(merged)

@@ -87,6 +87,15 @@ class RewardsConfig(BaseModel):
     judge: JudgeConfig = Field(default_factory=JudgeConfig)
     """Optional LLM judge signal."""
 
+    # Reward of the RL update (policy.production)
+    rl_reward: Literal["assisted", "labels"] = "assisted"
+    """What an RL update trains on: ``assisted``, labels for a group labeled in full, else the promoted reward
+    model's score (fresh sessions whose signals have not arrived yet); ``labels``, only labeled sessions."""
+    rl_model_reward: Literal["probability", "best_of_group"] = "probability"
+    """How a group scored by the reward model is rewarded: ``probability``, each member's calibrated keep
+    probability; ``best_of_group``, 1 for the member the model ranks first and 0 for the others (the model
+    stands in for the user's selection; a session alone keeps its probability)."""
+
     # Robustness: how much one user can weigh (reward_models.robust)
     require_session_user: bool = True
     """Labels ignore a signal naming a user other than its session's (counted: ``foreign_user_signals``)."""

@@ -42,6 +42,7 @@ SESSION_COLUMNS = [
     "agent_session",
     "logprob_min",
     "logprob_std",
+    "agent_group",
 ]
 SIGNAL_COLUMNS = [
     "event_id",
@@ -89,6 +90,12 @@ def _agent_session(extra: dict[str, Any] | None) -> str | None:
     """The agent session a turn belongs to (``payload.turn.session_id``), if any."""
     turn = (extra or {}).get("turn")
     return str(turn["session_id"]) if isinstance(turn, dict) and turn.get("session_id") else None
+
+
+def _agent_group(extra: dict[str, Any] | None) -> str | None:
+    """The group of parallel agent sessions a turn's session ran in (``payload.turn.group``), if any."""
+    turn = (extra or {}).get("turn")
+    return str(turn["group"]) if isinstance(turn, dict) and turn.get("group") else None
 
 
 def _edit_stats(extra: dict[str, Any] | None) -> tuple[float, float]:
@@ -170,6 +177,7 @@ def load_sessions(
                 "agent_session": _agent_session(r.extra),
                 "logprob_min": lp_min,
                 "logprob_std": lp_std,
+                "agent_group": _agent_group(r.extra),
             }
         )
     frame = pd.DataFrame.from_records(records, columns=SESSION_COLUMNS)
@@ -235,6 +243,7 @@ def session_records(events: Sequence[dict[str, Any]]) -> pd.DataFrame:
                 "agent_session": _agent_session(p),
                 "logprob_min": lp_min,
                 "logprob_std": lp_std,
+                "agent_group": _agent_group(p),
             }
         )
     return pd.DataFrame.from_records(records, columns=SESSION_COLUMNS)

@@ -5,7 +5,8 @@ as of ``now``; split by time (older sessions train, the newest ``holdout_fractio
 fit each head that has enough data of both classes (others are skipped with a reason); evaluate
 each head and the bundle on the hold-out next to the baselines; evaluate the promoted version on
 the *same* hold-out; register the new version, promoted only if every head beats its trivial
-baseline and the bundle beats the current version.
+baseline, the bundle ranks the hold-out better than chance (its score is what RL trains on), and it
+beats the current version.
 
 The registered bundle is the one trained on the older part, so the recorded metrics are honest
 hold-out numbers for exactly the artifact that serves. Retraining is cheap (seconds at 100k
@@ -76,6 +77,10 @@ class TrainReport:
         data["versions"] = [self.version]
         data["promoted"] = self.promoted
         return data
+
+
+CHANCE = 0.5
+"""Composite AUC and pairwise accuracy of a score that ranks at random."""
 
 
 def _finite(values: np.ndarray) -> bool:
@@ -434,6 +439,13 @@ def _decide(
             )
     if bundle["primary"] is None:
         return registry.CANDIDATE, "no hold-out metric for the bundle"
+    # the bundle's score is what RL trains on: each head over its baseline is not enough when their
+    # combination ranks the hold-out no better than chance (AUC and pairwise accuracy are 0.5 there)
+    if bundle["primary"] < CHANCE + config.min_auc_over_baseline:
+        return (
+            registry.CANDIDATE,
+            f"bundle: {bundle['primary']:.3f} does not beat chance {CHANCE} by {config.min_auc_over_baseline}",
+        )
     if current is None:
         return registry.PROMOTED, "first version that beats the baselines"
     if current_primary is None:

@@ -130,6 +130,12 @@ class DeployConfig(BaseModel):
     """Fractions of the fleet on the new version after each stage that follows the canary."""
     gate_min_requests: int = Field(default=20, ge=1)
     """Requests the new version must have served before a stage is judged."""
+    gate_min_judged: int = Field(default=0, ge=0)
+    """Judged sessions (signals of the acceptance proxy) the new version must have before a stage is
+    judged, when the metrics source counts them (``judged``): users signal on few sessions, and late,
+    so a version served to enough requests may have been judged by nobody yet; not reaching it by the
+    deadline fails the gate (a version nobody could judge is not promoted). 0 (default, for fleets
+    whose users send no signals): requests alone."""
     gate_max_wait_s: float = Field(default=60.0, gt=0)
     """How long a stage waits for its minimum sample; not reaching it fails the gate."""
     gate_max_error_rate_delta: float = Field(default=0.02, ge=0)

@@ -10,9 +10,9 @@ what they staged.
 The canary stage updates ``canary_replicas``; each following stage brings the fleet up to a
 fraction in ``stages``. After every stage the gate compares the new version's online metrics
 (error rate, p50 latency, acceptance proxy) with the current version's, once the new version
-has served ``gate_min_requests``; a failed gate, or an update that fails, rolls every updated
-replica back (by the cheapest path: the reverse delta when the store has it, else the old
-snapshot) and leaves the pool's target where it was.
+has served ``gate_min_requests`` and users judged ``gate_min_judged`` of its sessions; a failed
+gate, or an update that fails, rolls every updated replica back (by the cheapest path: the reverse
+delta when the store has it, else the old snapshot) and leaves the pool's target where it was.
 
 The reward-hacking guard (``guard``, :func:`reward_models.api.promotion_check` in the scheduler)
 is one more gate: after a stage's online gate passes, and when an operator promotes a running
@@ -83,10 +83,18 @@ class RolloutResult:
     ``setup``, ``gate``, ``finish``)."""
 
 
+def _judged_enough(new: dict[str, Any], config: DeployConfig) -> bool:
+    """Whether the new version has its minimum of judged sessions (always, when the metrics source
+    does not count them)."""
+    judged = new.get("judged")
+    return judged is None or int(judged) >= config.gate_min_judged
+
+
 def gate(new: dict[str, Any] | None, old: dict[str, Any] | None, config: DeployConfig) -> tuple[bool, str]:
     """Judge a stage: the new version's online metrics against the current version's.
 
-    Fails when the new version served fewer than ``gate_min_requests``, or its error rate rose by
+    Fails when the new version served fewer than ``gate_min_requests``, or was judged on fewer than
+    ``gate_min_judged`` sessions (when the source counts them), or its error rate rose by
     more than ``gate_max_error_rate_delta``, or its p50 latency exceeds ``gate_max_latency_ratio``
     times the old one, or its acceptance proxy dropped by more than ``gate_max_acceptance_drop``
     and by at least ``gate_acceptance_z`` standard errors of the difference (compared only when both
@@ -99,6 +107,12 @@ def gate(new: dict[str, Any] | None, old: dict[str, Any] | None, config: DeployC
         return (
             False,
             f"the new version served {served} requests, fewer than the minimum sample of {config.gate_min_requests}",
+        )
+    if not _judged_enough(new, config):
+        return (
+            False,
+            f"the new version was judged on {new.get('judged')} sessions, fewer than the minimum of "
+            f"{config.gate_min_judged}: nobody could judge it yet",
         )
     old = old or {}
     rise = new["error_rate"] - old.get("error_rate", 0.0)
@@ -202,7 +216,8 @@ async def _wait_gate(
             return True, "passed", {}
         snap = (await metrics()).get("versions", {})
         new, old = snap.get(new_v), snap.get(old_v)
-        if (new and new.get("requests", 0) >= config.gate_min_requests) or time.monotonic() > deadline:
+        sampled = new and new.get("requests", 0) >= config.gate_min_requests and _judged_enough(new, config)
+        if sampled or time.monotonic() > deadline:
             ok, why = gate(new, old, config)
             return ok, why, {"new": new, "old": old}
         await asyncio.sleep(0.05)

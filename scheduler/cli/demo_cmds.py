@@ -28,6 +28,11 @@ def demo(
     ),
     rps: float = typer.Option(0.6, min=0.01, help="Loop: mean request rate of the developers (wall clock)."),
     drill: bool = typer.Option(True, help="Loop: run the gate drill (a deliberately destructive update)."),
+    population: bool = typer.Option(
+        False,
+        help="Loop: users drawn from a population (different tastes; partial, noisy, late signals; churn; bad "
+        "actors), scored by their true utility; default: deterministic developers (the checker's rule).",
+    ),
 ) -> None:
     """Run the demo and print what it measured (tables on the terminal, or one JSON object)."""
     from scheduler.cli.common import print_json, setup
@@ -42,7 +47,9 @@ def demo(
     from scheduler.demo.report import print_report
     from scheduler.demo.run import DemoOptions, run_demo
 
-    opts = DemoOptions(minutes=minutes or 6.0, seed=seed, keep_running=keep_running, mean_rps=rps, drill=drill)
+    opts = DemoOptions(
+        minutes=minutes or 6.0, seed=seed, keep_running=keep_running, mean_rps=rps, drill=drill, population=population
+    )
     report = run_demo(settings, opts)
     if as_json:
         print_json(report)

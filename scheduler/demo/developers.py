@@ -23,21 +23,34 @@ context budget and self-summaries, a turn limit), ``agent_group`` sessions in pa
 session id and turn index. What was submitted is judged like a completion and signalled on the
 agent session as a whole (``edit.accepted``/``edit.rejected`` and ``code.retained``; a session that
 never submitted is rejected and nothing of it retained).
+
+With a ``population`` (``undertow demo --population``), the users are drawn from
+:class:`scheduler.demo.population.Population` instead, and what they do is its decision: tastes,
+skill and patience differ, most signals are never reported, choices and accept decisions are noisy,
+thumbs are rare and biased, a few users are bad actors, and retention arrives at 1 hour, 1 day and 1
+week of simulated time (compressed like the day). Each signal is sent when it arrives; those due
+after the run are counted (``signals_late``), not sent. The true utility of every session for its
+user goes to a local JSON-lines log (``utility_log``) for evaluation, never over the wire.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import numpy as np
 import structlog
+
+if TYPE_CHECKING:
+    from scheduler.demo.population import PopulationConfig
 
 log = structlog.get_logger(__name__)
 
@@ -74,6 +87,12 @@ class DeveloperConfig:
     agent: dict[str, Any] = field(default_factory=dict)
     """:class:`policy.agent.AgentSession` settings (``max_turns``, ``context_budget_chars``, ...; the
     defaults are :class:`policy.agent_eval.AgentEvalConfig`'s)."""
+    population: PopulationConfig | None = None
+    """Users drawn from this population (:mod:`scheduler.demo.population`: different tastes, partial,
+    noisy and late signals, switches, churn, bad actors) instead of the deterministic developers."""
+    drain_s: float = 5.0
+    """Wall-clock seconds the signals still due are waited for once the developers are halted; later
+    ones (a week's retention) would arrive after the run and are counted, not sent."""
 
 
 @dataclass
@@ -98,6 +117,13 @@ class DeveloperStats:
     agent_summaries: int = 0
     """Agent sessions with at least one self-summary."""
     agent_errors: int = 0
+    signals_late: int = 0
+    """Signals of the population that would arrive after the run (not sent)."""
+    utility: float = 0.0
+    """Sum of the true utility of what the users took (population only; never sent)."""
+    utility_by_version: dict[str, float] = field(default_factory=dict)
+    judged_by_version: Counter[str] = field(default_factory=Counter)
+    churned: int = 0
 
 
 def arrival_schedule(
@@ -141,8 +167,10 @@ class Developers:
         config: DeveloperConfig,
         seed: int = 0,
         api_key: str | None = None,
+        utility_log: Path | None = None,
     ) -> None:
         from policy.tasks import train_tasks
+        from scheduler.demo.population import Population
 
         self.url = gateway_url.rstrip("/")
         self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
@@ -155,6 +183,12 @@ class Developers:
         self.stats = DeveloperStats()
         self._halt = threading.Event()
         self._pending: set[asyncio.Task[Any]] = set()
+        self._deliveries: set[asyncio.Task[Any]] = set()
+        self.population = Population(config.population, seed=seed) if config.population is not None else None
+        self.utility_log = utility_log
+        self._users = {u.user_id: u for u in self.population.users} if self.population is not None else {}
+        self._log_lock = threading.Lock()
+        self._session_version: dict[str, str] = {}
 
     async def run(self) -> DeveloperStats:
         """Replay every arrival (or until :meth:`halt`), then wait for the signals in flight."""
@@ -171,7 +205,10 @@ class Developers:
                     break
                 await sem.acquire()
                 task = self.rng.choice(self.tasks)
-                user = f"dev-{self.rng.randrange(self.config.users):03d}"
+                if self.population is not None:
+                    user = self.population.draw(self.rng).user_id
+                else:
+                    user = f"dev-{self.rng.randrange(self.config.users):03d}"
                 if self.rng.random() < self.config.agent_share:
                     job = asyncio.ensure_future(self._agent(http, task, user, sem))
                 else:
@@ -182,7 +219,16 @@ class Developers:
                 job.add_done_callback(self._pending.discard)
             if self._pending:
                 await asyncio.gather(*list(self._pending), return_exceptions=True)
+            await self._drain()
         return self.stats
+
+    async def _drain(self) -> None:
+        """Wait ``drain_s`` for the signals still on their way; cancel and count the later ones."""
+        if self._deliveries:
+            _done, late = await asyncio.wait(list(self._deliveries), timeout=self.config.drain_s)
+            for job in late:
+                job.cancel()
+            self.stats.signals_late += len(late)
 
     def halt(self) -> None:
         """Stop sending new requests (thread-safe; retention signals already scheduled still go out)."""
@@ -236,6 +282,15 @@ class Developers:
         results = await asyncio.to_thread(check_many, [(task, b) for b in bodies])
         self.stats.requests += 1
         self.stats.by_version[version] += 1
+        if self.population is not None:
+            self.stats.judged += 1
+            self.stats.kept += any(r.kept for r in results)
+            self.stats.passed += any(r.passed for r in results)
+            self.stats.kept_by_version[version] += any(r.kept for r in results)
+            outcomes = [self._outcome(task, b, r) for b, r in zip(bodies, results, strict=True)]
+            ids = [c["session_id"] for c in choices]
+            self._react(http, user, outcomes, ids, [version] * len(ids), data.get("group_id"))
+            return
         order = sorted(range(len(choices)), key=lambda i: (-results[i].kept, -results[i].passed, self.rng.random()))
         best = order[0]
         chosen = choices[best]["session_id"]
@@ -256,6 +311,74 @@ class Developers:
         if not any(r.passed for r in results) and self.rng.random() < cfg.switch_prob:
             await self._signal(http, "model.switched", chosen, user, {"from_model": "undertow", "to_model": "other"})
         await self._retention(http, task, user, [(chosen, bodies[best], res.kept, res.passed, res.size)])
+
+    @staticmethod
+    def _outcome(task: Any, body: str | None, result: Any) -> Any:
+        """What the population judges: the checker's verdict on what was written (None: nothing submitted)."""
+        from scheduler.demo.population import Outcome
+
+        if body is None or result is None:
+            return Outcome(passed=False, kept=False, lines=0, submitted=False)
+        lines = max(1, len([line for line in body.splitlines() if line.strip()]))
+        return Outcome(
+            passed=bool(result.passed),
+            kept=bool(result.kept),
+            lines=lines,
+            size=int(result.size),
+            size_limit=int(task.size_limit),
+        )
+
+    def _react(
+        self,
+        http: httpx.AsyncClient,
+        user_id: str,
+        outcomes: list[Any],
+        ids: list[str],
+        versions: list[str],
+        group_id: str | None,
+    ) -> None:
+        """The population's reaction to one request's sessions: each signal is sent when it arrives
+        (its simulated delay compressed like the day), the true utility is logged apart, never sent."""
+        assert self.population is not None
+        user = self._users[user_id]
+        grouped = group_id is not None and len(outcomes) >= 2
+        reaction = self.population.react(user, outcomes, grouped=grouped, rng=self.rng)
+        taken = reaction.chosen  # what the user took into their code (none: they wrote it themselves)
+        value = reaction.utility[taken] if taken is not None else 0.0
+        version = versions[taken if taken is not None else 0]
+        self.stats.utility += value
+        self.stats.utility_by_version[version] = self.stats.utility_by_version.get(version, 0.0) + value
+        self.stats.judged_by_version[version] += 1
+        self.stats.churned += reaction.churned
+        if self.utility_log is not None:
+            rows = [
+                {
+                    "session_id": sid,
+                    "user_id": user_id,
+                    "version": versions[i],
+                    "utility": round(reaction.utility[i], 6),
+                    "taken": i == taken,
+                }
+                for i, sid in enumerate(ids)
+            ]
+            with self._log_lock, self.utility_log.open("a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+        for sig in reaction.signals:
+            sid = ids[sig.index] if sig.index is not None else ids[0]
+            payload = dict(sig.payload)
+            if sig.type == "candidates.shown":
+                payload.update(group_id=group_id, session_ids=ids)
+            elif sig.type == "candidate.selected":
+                payload.update(group_id=group_id, chosen_session_id=sid)
+            job = asyncio.ensure_future(self._later(http, sig.delay_s / self.speedup, sig.type, sid, user_id, payload))
+            self._deliveries.add(job)
+            job.add_done_callback(self._deliveries.discard)
+
+    async def _later(
+        self, http: httpx.AsyncClient, delay: float, kind: str, session_id: str, user: str, payload: dict[str, Any]
+    ) -> None:
+        await asyncio.sleep(delay)
+        await self._signal(http, kind, session_id, user, payload)
 
     async def _retention(
         self, http: httpx.AsyncClient, task: Any, user: str, judged: list[tuple[str, str | None, bool, bool, int]]
@@ -297,7 +420,9 @@ class Developers:
                 session.fail(f"{resp.status_code}: {resp.text[:200]}")
                 return
             data = resp.json()
-            self.stats.by_version[str(data.get("policy_version", "?"))] += 1
+            version = str(data.get("policy_version", "?"))
+            self.stats.by_version[version] += 1
+            self._session_version[session.result.session_id] = version
             await asyncio.to_thread(session.observe, data["choices"][0]["message"])
 
     async def _agent(self, http: httpx.AsyncClient, task: Any, user: str, sem: asyncio.Semaphore) -> None:
@@ -326,6 +451,8 @@ class Developers:
         finally:
             sem.release()
         judged: list[tuple[str, str | None, bool, bool, int]] = []
+        outcomes: list[Any] = []
+        ids: list[str] = []
         for session in sessions:
             result = session.result
             if result.ended == "error":
@@ -338,6 +465,16 @@ class Developers:
             self.stats.agent_kept += kept
             self.stats.agent_turns += result.requests
             self.stats.agent_summaries += result.summaries > 0
+            if self.population is not None:
+                submitted = result.ended == "submitted" and result.submitted_code is not None
+                outcomes.append(self._outcome(task, result.submitted_code if submitted else None, verdict))
+                ids.append(result.session_id)
+                continue
             await self._signal(http, "edit.accepted" if passed else "edit.rejected", result.session_id, user, {})
             judged.append((result.session_id, result.submitted_code, kept, passed, verdict.size if verdict else 0))
+        if self.population is not None:
+            if ids:  # parallel agent sessions are judged each on its own
+                versions = [self._session_version.pop(sid, "?") for sid in ids]
+                self._react(http, user, outcomes, ids, versions, None)
+            return
         await self._retention(http, task, user, judged)

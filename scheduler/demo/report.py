@@ -6,11 +6,16 @@ online requests and acceptance proxy as the gateway measured them, the reward mo
 the version was trained and its primary metric, and the rollout outcome (succeeded, rolled back
 with the gate's reason, or not deployed), and the agent's held-out task success
 (``heldout_task_success``: multi-turn sessions with tools on held-out tasks, submitted code kept;
-:mod:`policy.agent_eval`). The final version is the one the fleet serves at the end;
-``gain_points`` is its held-out task success minus v0's, in percentage points (its held-out
-retention when the agent was not evaluated), ``retention_gain_points`` the same on single
-completions. ``mean_turns`` and ``sessions_with_summary`` describe the agent sessions the
-developers ran through the gateway (turns as telemetry stores them: policy turns and summaries).
+:mod:`policy.agent_eval`). With the population of users (:mod:`scheduler.demo.population`), each
+version's ``heldout_true_utility`` is the population's mean true utility of its held-out outcomes
+(what the users would get, never sent over the wire) and ``online_true_utility`` that of what the
+users took from it while it served. The final version is the one the fleet serves at the end;
+``gain_points`` is its held-out true utility minus v0's, in percentage points (``gain_measured_on``
+says which: the agent's held-out task success without the population, held-out retention without
+the agent), and ``true_utility_gain_points``, ``task_success_gain_points`` and
+``retention_gain_points`` give each measure on its own. ``mean_turns`` and
+``sessions_with_summary`` describe the agent sessions the developers ran through the gateway
+(turns as telemetry stores them: policy turns and summaries).
 """
 
 from __future__ import annotations
@@ -49,8 +54,28 @@ def _borrowed(engine: Any) -> list[dict[str, Any]]:
         return [{"replica": r.replica_id, "event": r.event, "at": r.at.isoformat()} for r in rows]
 
 
+def heldout_true_utility(population: Any, metrics: dict[str, Any]) -> float | None:
+    """The population's mean true utility of a version's held-out outcomes: the agent's sessions when
+    the agent was evaluated (kept, passed, submitted rates), else single completions (kept, passed)."""
+    if population is None:
+        return None
+    if metrics.get("eval/agent/success") is not None:
+        kept = float(metrics["eval/agent/success"])
+        passed = max(kept, float(metrics.get("eval/agent/pass", kept)))
+        submitted = max(passed, float(metrics.get("eval/agent/submitted", 1.0)))
+        return float(population.expected_utility(kept, passed, submitted))
+    if metrics.get("eval/keep_rate") is not None:
+        kept = float(metrics["eval/keep_rate"])
+        return float(population.expected_utility(kept, max(kept, float(metrics.get("eval/pass_rate", kept)))))
+    return None
+
+
 def build_report(
-    stack: Any, outcomes: list[dict[str, Any]], dev_stats: Any, v0_metrics: dict[str, Any]
+    stack: Any,
+    outcomes: list[dict[str, Any]],
+    dev_stats: Any,
+    v0_metrics: dict[str, Any],
+    population: Any = None,
 ) -> dict[str, Any]:
     """The JSON report (``versions``, ``v0_heldout_retention``, ``final_heldout_retention``,
     ``gain_points``, ``rollbacks``, and the loop's details)."""
@@ -79,6 +104,8 @@ def build_report(
                 "heldout_task_success": m.get("eval/agent/success"),
                 "heldout_agent_submitted": m.get("eval/agent/submitted"),
                 "heldout_agent_turns": m.get("eval/agent/mean_requests"),
+                "heldout_true_utility": heldout_true_utility(population, m),
+                "online_true_utility": _online_utility(dev_stats, row.version_id),
                 "online_requests": live.get("requests", 0),
                 "online_acceptance": live.get("acceptance"),
                 "train_reward_mean": m.get("reward/mean"),
@@ -98,6 +125,17 @@ def build_report(
     v0_task = v0_metrics.get("eval/agent/success")
     final_task = final.get("heldout_task_success")
     retention_gain = round(100.0 * (final_rate - v0), 2)
+    task_gain = None if v0_task is None else round(100.0 * (float(final_task or 0.0) - v0_task), 2)
+    v0_utility = heldout_true_utility(population, v0_metrics)
+    final_utility = final.get("heldout_true_utility")
+    utility_gain = None
+    if v0_utility is not None and final_utility is not None:
+        utility_gain = round(100.0 * (final_utility - v0_utility), 2)
+    gain, measured_on = retention_gain, "retention"
+    if utility_gain is not None:
+        gain, measured_on = utility_gain, "heldout_true_utility"
+    elif task_gain is not None:
+        gain, measured_on = task_gain, "heldout_task_success"
     agent_sessions = dev_stats.agent_sessions
     return {
         "versions": versions,
@@ -106,8 +144,12 @@ def build_report(
         "final_heldout_retention": final_rate,
         "v0_heldout_task_success": v0_task,
         "final_heldout_task_success": final_task,
-        "gain_points": retention_gain if v0_task is None else round(100.0 * (float(final_task or 0.0) - v0_task), 2),
-        "gain_measured_on": "retention" if v0_task is None else "heldout_task_success",
+        "v0_heldout_true_utility": v0_utility,
+        "final_heldout_true_utility": final_utility,
+        "gain_points": gain,
+        "gain_measured_on": measured_on,
+        "true_utility_gain_points": utility_gain,
+        "task_success_gain_points": task_gain,
         "retention_gain_points": retention_gain,
         "mean_turns": round(dev_stats.agent_turns / agent_sessions, 2) if agent_sessions else None,
         "sessions_with_summary": dev_stats.agent_summaries,
@@ -131,8 +173,20 @@ def build_report(
             "agent_errors": dev_stats.agent_errors,
             "agent_submitted": dev_stats.agent_submitted,
             "agent_kept": dev_stats.agent_kept,
+            "population": population is not None,
+            "signals_late": dev_stats.signals_late,
+            "churned_users": dev_stats.churned,
+            "online_true_utility": round(dev_stats.utility / max(1, sum(dev_stats.judged_by_version.values())), 4)
+            if population is not None
+            else None,
         },
     }
+
+
+def _online_utility(dev_stats: Any, version: str) -> float | None:
+    """Mean true utility of the requests a version served (population only)."""
+    n = dev_stats.judged_by_version.get(version, 0)
+    return round(dev_stats.utility_by_version.get(version, 0.0) / n, 4) if n else None
 
 
 def _pct(x: Any) -> str:
@@ -169,6 +223,12 @@ def print_report(report: dict[str, Any], console: Console | None = None) -> None
             f"{report['final_version']} {_pct(report['final_heldout_task_success'])} ({report['gain_points']:+.1f} "
             f"points; target +10, printed, not asserted); agent sessions served: mean turns {report['mean_turns']}, "
             f"{report['sessions_with_summary']} with a self-summary"
+        )
+    if report.get("true_utility_gain_points") is not None:
+        console.print(
+            f"held-out true utility (the population's, never sent): v0 {_pct(report['v0_heldout_true_utility'])} -> "
+            f"serving {report['final_version']} {_pct(report['final_heldout_true_utility'])} "
+            f"({report['true_utility_gain_points']:+.1f} points)"
         )
     console.print(
         f"held-out retention: v0 {_pct(report['v0_heldout_retention'])} -> serving {report['final_version']} "

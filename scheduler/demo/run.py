@@ -10,9 +10,12 @@ no update is running, the orchestrator submits the loop as one Celery chain (``c
 through the planner (only when the forecast of the trace's next window leaves one to lend), trains
 on production rollouts, stores the version as a delta, and deploys it through the gate. Once, after
 a version was promoted, a **gate drill** submits an update with a destructive learning rate: the
-canary's online acceptance collapses and the gate must roll it back (the drill's version is not
-evaluated on the held-out set: it is not meant to serve, and the evaluation is most of an update's
-time). At the end: a table per version (held-out keep rate = retention, held-out pass rate =
+canary's online acceptance collapses and the gate must roll it back. The updates skip the held-out
+evaluation (it costs more than their training and would hold up the next update): once the traffic
+phase is over, every version but the drill's (not meant to serve) is evaluated in parallel processes
+(:mod:`scheduler.demo.heldout`). With ``population``, the developers are drawn from
+:mod:`scheduler.demo.population` (partial, noisy, late signals) and every version is also scored by
+their true utility. At the end: a table per version (held-out keep rate = retention, held-out pass rate =
 acceptance, online acceptance, reward model, rollout outcome) and one JSON object.
 """
 
@@ -29,6 +32,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import structlog
+
+from scheduler.demo.heldout import DRILL_LABEL
 
 if TYPE_CHECKING:
     from scheduler.settings import Settings
@@ -63,17 +68,26 @@ class DemoOptions:
     """Held-out tasks per tier given agent sessions in the evaluation (0: no agent evaluation)."""
     agent_eval_samples: int = 4
     """Agent sessions per held-out task."""
+    eval_after: bool = True
+    """Evaluate the versions on the held-out set after the traffic phase (:mod:`scheduler.demo.heldout`,
+    ``eval_workers`` processes) instead of inside each update, where it held up the next one."""
+    eval_workers: int = 2
+    """Processes evaluating versions at once after the traffic phase."""
     agent_share: float = 0.6
     """Share of the developers' arrivals handed to the agent (multi-turn sessions with tools)."""
     agent_group: int = 2
     """Agent sessions run in parallel on one task (a GRPO group)."""
-    steps_per_version: int = 8
+    population: bool = False
+    """Developers drawn from the population of users (:mod:`scheduler.demo.population`: tastes differ,
+    signals are partial, noisy and late), scored by their true utility; False: the deterministic
+    developers (the checker's rule)."""
+    steps_per_version: int = 16
     """GRPO steps of one update."""
     rl_lr: float = 3e-4
     """Learning rate of the updates (AdamW)."""
     groups_per_step: int = 8
     """Candidate groups per GRPO step."""
-    min_new_groups: int = 12
+    min_new_groups: int = 8
     """New candidate groups stored before the next update is submitted."""
     drill: bool = True
     """Run the gate drill (a deliberately destructive update) once a version was promoted."""
@@ -81,6 +95,9 @@ class DemoOptions:
     """Learning rate of the gate drill's update (destructive on purpose)."""
     gate_min_requests: int = 16
     """Requests a new version must serve before its stage is judged."""
+    gate_min_judged: int = 6
+    """Sessions users must have judged (signals of the acceptance proxy) before a stage is judged: the
+    population signals on few sessions, and a canary nobody judged must not pass."""
     expected_update_s: float = 90.0
     """Expected duration of one update (train, store, canary, gate) before one was measured: no update
     is submitted when it could not finish within the traffic phase."""
@@ -100,6 +117,18 @@ def eval_fields(opts: DemoOptions) -> dict[str, int]:
     }
 
 
+def _retention_weights(opts: DemoOptions) -> dict[str, float]:
+    """Retention horizons the labels weigh: the population's (1 h, 1 day, 1 week of simulated time,
+    mostly after the update that needs them) or the deterministic developers' (1, 10, 60 minutes)."""
+    if opts.population:
+        from scheduler.demo.population import PopulationConfig
+
+        horizons = PopulationConfig().horizons_s
+    else:
+        horizons = (60, 600, 3600)
+    return {str(h): float(2**i) for i, h in enumerate(horizons)}
+
+
 def _env(home: Path, opts: DemoOptions, speedup: float) -> dict[str, str]:
     from ingest.embedded import free_port
     from ingest.signing import new_secret
@@ -116,6 +145,7 @@ def _env(home: Path, opts: DemoOptions, speedup: float) -> dict[str, str]:
         "UNDERTOW_API__PORT": str(free_port()),
         "UNDERTOW_SERVING__DEPLOY__STAGES": "[1.0]",
         "UNDERTOW_SERVING__DEPLOY__GATE_MIN_REQUESTS": str(opts.gate_min_requests),
+        "UNDERTOW_SERVING__DEPLOY__GATE_MIN_JUDGED": str(opts.gate_min_judged),
         "UNDERTOW_SERVING__DEPLOY__GATE_MAX_WAIT_S": "120",
         "UNDERTOW_SERVING__DEPLOY__GATE_MAX_LATENCY_RATIO": "3.0",
         "UNDERTOW_SERVING__DEPLOY__GATE_MAX_ACCEPTANCE_DROP": "0.2",
@@ -133,7 +163,7 @@ def _env(home: Path, opts: DemoOptions, speedup: float) -> dict[str, str]:
         "UNDERTOW_SERVING__GATEWAY__USER_SIGNAL_RATE_PER_S": f"{max(1.0, speedup):.3f}",
         "UNDERTOW_SERVING__FLEET__HEALTH_INTERVAL_S": "1.0",
         "UNDERTOW_SERVING__ENGINE__THREADS": "1",
-        "UNDERTOW_REWARDS__RETENTION_WEIGHTS": json.dumps({"60": 1.0, "600": 2.0, "3600": 4.0}),
+        "UNDERTOW_REWARDS__RETENTION_WEIGHTS": json.dumps(_retention_weights(opts)),
         "UNDERTOW_REWARDS__RETENTION_GRACE_S": "60",
         "UNDERTOW_REWARDS__RETRAIN_MIN_NEW_LABELS": "60",
         "UNDERTOW_REWARDS__MIN_TRAIN_ROWS": "20",
@@ -180,12 +210,15 @@ class Orchestrator:
         from scheduler.loop.state import LoopState, RLInputs
         from scheduler.loop.submit import submit
 
-        rl = RLInputs(groups_per_step=self.opts.groups_per_step, eval=eval_fields(self.opts))
-        if kind == "drill":  # not meant to serve: its held-out evaluation (most of an update's time) is skipped
-            no_eval = {"per_tier": 0, "agent_per_tier": 0}
-            rl = rl.model_copy(update={"lr": self.opts.drill_lr, "label": "gate drill", "eval": no_eval})
+        # the drill is not meant to serve, and with eval_after every version is evaluated after the traffic
+        # phase: either way the update skips its held-out evaluation (most of an update's time)
+        in_update = kind != "drill" and not self.opts.eval_after
+        no_eval = {"per_tier": 0, "agent_per_tier": 0}
+        rl = RLInputs(groups_per_step=self.opts.groups_per_step, eval=eval_fields(self.opts) if in_update else no_eval)
+        if kind == "drill":
+            rl = rl.model_copy(update={"lr": self.opts.drill_lr, "label": DRILL_LABEL})
         run_id = f"{kind}-{uuid.uuid4().hex[:6]}"
-        state = LoopState(run_id=run_id, kind="loop", evaluate=kind != "drill", rl=rl, requested_by="demo")
+        state = LoopState(run_id=run_id, kind="loop", evaluate=in_update, rl=rl, requested_by="demo")
         self.inflight = submit(self.stack.engine, self.settings, state, celery=self.celery)
         self.inflight_kind, self.inflight_since = kind, time.monotonic()
         self.groups_at_submit = self.groups()
@@ -244,6 +277,8 @@ def run_demo(base: Settings, opts: DemoOptions) -> dict[str, Any]:
     from policy.evaluate import EvalConfig
     from policy.model import load_checkpoint
     from scheduler.demo.developers import DeveloperConfig, Developers
+    from scheduler.demo.heldout import evaluate_versions
+    from scheduler.demo.population import PopulationConfig
     from scheduler.demo.report import build_report
     from scheduler.demo.stack import DemoStack, v0_cache
     from scheduler.runtime.logs import configure_logging
@@ -291,8 +326,15 @@ def run_demo(base: Settings, opts: DemoOptions) -> dict[str, Any]:
         rates,
         span_s,
         speedup,
-        DeveloperConfig(mean_rps=opts.mean_rps, agent_share=opts.agent_share, agent_group=opts.agent_group),
+        DeveloperConfig(
+            mean_rps=opts.mean_rps,
+            agent_share=opts.agent_share,
+            agent_group=opts.agent_group,
+            population=PopulationConfig() if opts.population else None,
+        ),
+        seed=opts.seed,
         api_key=stack.gateway_key,
+        utility_log=home / "true_utility.jsonl" if opts.population else None,
     )
     import asyncio
 
@@ -333,9 +375,22 @@ def run_demo(base: Settings, opts: DemoOptions) -> dict[str, Any]:
         dev_thread.join(timeout=60)
         if orch.inflight is not None:  # past the grace period: report it as unfinished
             orch.outcomes.append({"kind": orch.inflight_kind, "error": "still running at the end of the demo"})
-        report = build_report(stack, orch.outcomes, devs.stats, v0_metrics)
+        eval_s = 0.0
+        if opts.eval_after:
+            eval_started = time.monotonic()
+            with console.status(f"evaluating the versions on the held-out set ({opts.eval_workers} processes)"):
+                evaluate_versions(
+                    stack.engine,
+                    eval_cfg,
+                    first=_target(stack.engine),
+                    workers=opts.eval_workers,
+                    on_done=lambda vid, m: console.print(f"{vid}: held-out task success {_rate(m)}"),
+                )
+            eval_s = time.monotonic() - eval_started
+        report = build_report(stack, orch.outcomes, devs.stats, v0_metrics, devs.population)
         report["minutes"] = round((time.monotonic() - started) / 60.0, 2)
         report["setup_minutes"] = round(setup_s / 60.0, 2)
+        report["heldout_eval_minutes"] = round(eval_s / 60.0, 2)
         report["traffic_minutes"] = round(opts.minutes, 2)
         report["home"] = str(home)
         if opts.keep_running:
@@ -344,6 +399,11 @@ def run_demo(base: Settings, opts: DemoOptions) -> dict[str, Any]:
         devs.halt()
         stack.stop()
     return report
+
+
+def _rate(metrics: dict[str, float]) -> str:
+    value = metrics.get("eval/agent/success", metrics.get("eval/keep_rate"))
+    return "-" if value is None else f"{100 * value:.1f}%"
 
 
 def _target(engine: Any) -> str:

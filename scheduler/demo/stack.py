@@ -59,11 +59,16 @@ def v0_cache(
         return path, json.loads(meta.read_text())
     import torch
 
-    torch.set_num_threads(cfg.threads)
+    threads = torch.get_num_threads()
+    # the warm-up runs before the stack starts: every core is free for it
+    torch.set_num_threads(max(cfg.threads, os.cpu_count() or 1))
     log.info("demo.v0_warmup", steps=sft_steps, cache=str(path))
     sft = SFTConfig(preset=cfg.preset, seed=cfg.seed, steps=sft_steps, agent_every=agent_every)
-    model, tokenizer, metrics = warmup(sft)
-    metrics.update(evaluate(model, tokenizer, eval_cfg))
+    try:
+        model, tokenizer, metrics = warmup(sft)
+        metrics.update(evaluate(model, tokenizer, eval_cfg))
+    finally:
+        torch.set_num_threads(threads)
     tmp = cache_root / (key + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     save_checkpoint(model, tokenizer, tmp)

@@ -146,3 +146,23 @@ def test_bad_rows_are_skipped_with_counts_and_weak_models_stay_candidates(
     assert "selection" in report.skipped_heads and "acceptance" in report.skipped_heads
     assert report.status == registry.CANDIDATE and "baseline" in report.reason
     assert registry.current_promoted(sqlite_engine) is None
+
+
+def test_a_bundle_that_ranks_no_better_than_chance_is_never_promoted() -> None:
+    """Each head over its baseline on a small hold-out, but their combination (what RL trains on)
+    below chance: the first version too stays a candidate (the demo's population once promoted one at 0.447)."""
+    from reward_models.train import _decide
+
+    heads = {"acceptance": object()}
+    config = RewardsConfig()
+
+    def metrics(primary: float) -> dict[str, Any]:
+        return {
+            "bundle": {"finite": True, "primary": primary},
+            "acceptance": {"auc": 0.7, "auc_baseline": 0.5},
+        }
+
+    status, reason = _decide(metrics(0.447), heads, None, None, config)
+    assert status == registry.CANDIDATE and "chance" in reason
+    status, reason = _decide(metrics(0.5 + config.min_auc_over_baseline + 0.01), heads, None, None, config)
+    assert status == registry.PROMOTED and "first version" in reason

@@ -205,6 +205,13 @@ def test_gate_and_stages_rules() -> None:
     # z 0: the drop alone decides, as without counts
     plain = DeployConfig(gate_min_requests=10, gate_acceptance_z=0.0)
     assert not gate({"requests": 10, "error_rate": 0.0, "acceptance": 3 / 8, "judged": 8}, counted, plain)[0]
+    # a minimum of judged sessions: a canary nobody judged yet (sparse, late signals) is not promoted,
+    # whatever its acceptance; a source that does not count judged sessions is judged on requests
+    needs = DeployConfig(gate_min_requests=10, gate_min_judged=6)
+    ok, why = gate({"requests": 40, "error_rate": 0.0, "acceptance": 0.0, "judged": 2}, counted, needs)
+    assert not ok and "judged on 2 sessions" in why
+    assert gate({"requests": 40, "error_rate": 0.0, "acceptance": 0.6, "judged": 6}, counted, needs)[0]
+    assert gate({"requests": 40, "error_rate": 0.0, "acceptance": 0.6}, old, needs)[0]
     assert stage_sizes(3, DeployConfig(canary_replicas=1, stages=[0.5, 1.0])) == [1, 2, 3]
     assert stage_sizes(1, DeployConfig()) == [1]
     assert stage_sizes(10, DeployConfig(canary_replicas=1, stages=[0.5])) == [1, 5, 10]

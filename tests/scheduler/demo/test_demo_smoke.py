@@ -3,8 +3,9 @@
 Real parts throughout: the embedded Kafka broker, SQLite with migrations, a Celery worker
 subprocess, three CPU engine processes, the gateway and API over HTTP, the policy warm-up (a short
 one), the reward models, an RL update on a borrowed replica, a delta rollout through the canary
-gate. It asserts that the loop produced a new version that went through the gate and that the
-report has every field; the held-out gain is printed by the demo, not asserted here.
+gate, with users drawn from the population (partial, noisy, late signals). It asserts that the loop
+produced a new version that went through the gate, that the report has every field, and that the
+users' true utility was logged apart and never stored; the held-out gain is printed, not asserted.
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ def test_demo_loop_produces_a_gated_version(tmp_path: Path) -> None:
         groups_per_step=4,
         min_new_groups=6,
         drill=False,
+        population=True,
         gate_min_requests=3,
+        gate_min_judged=2,
         expected_update_s=20,
         finish_grace_s=150,
     )
@@ -82,7 +85,17 @@ def test_demo_loop_produces_a_gated_version(tmp_path: Path) -> None:
         assert all(key in v for key in VERSION_FIELDS)
         assert v["heldout_retention"] is not None and 0.0 <= v["heldout_retention"] <= 1.0
         assert v["heldout_task_success"] is not None and 0.0 <= v["heldout_task_success"] <= 1.0
-    assert report["gain_measured_on"] == "heldout_task_success"
+    # the users came from the population: scored by their true utility, which never went over the wire
+    assert report["gain_measured_on"] == "heldout_true_utility" and report["developers"]["population"]
+    assert report["v0_heldout_true_utility"] is not None and report["final_heldout_true_utility"] is not None
+    assert report["task_success_gain_points"] is not None
+    truth = [json.loads(line) for line in (Path(report["home"]) / "true_utility.jsonl").read_text().splitlines()]
+    assert truth and all(0.0 <= row["utility"] <= 1.0 for row in truth)
+    import sqlite3
+
+    with sqlite3.connect(Path(report["home"]) / "undertow.db") as db:
+        payloads = [row[0] for row in db.execute("SELECT payload FROM signals")]
+    assert payloads and not any("utility" in str(p) for p in payloads)
     assert report["developers"]["requests"] > 0 and report["developers"]["signals"] > 0
     # the agent ran through the gateway: multi-turn sessions, judged and signalled
     assert report["developers"]["agent_sessions"] > 0 and report["mean_turns"] >= 1

@@ -1,0 +1,705 @@
+"""Does the reward model carry the reward? RL from simulated users with labels only, against labels
+plus the promoted reward model's score, on the same seeds; scored by the users' true utility.
+
+One closed loop per seed and arm, in process, on a fresh SQLite database:
+
+- **v0** is a modest supervised warm-up (:func:`policy.sft.warmup`, ``--sft-steps``), trained once and
+  cached under ``<home>/bench-cache`` (the key holds the warm-up settings; ``--v0 DIR`` uses a checkpoint
+  directory instead), recorded as version ``v0000``.
+- **rounds**: each round is ``--round-minutes`` of simulated time. The arm's current version samples
+  ``--groups`` candidate groups of K on training tasks (:func:`policy.rollouts.rollouts_from_tasks`:
+  tokens, served logprobs and routed experts), stored as ``session.completed`` events through the
+  ingest writer (:func:`ingest.writer.write_events`, what the consumer calls), spread over the round.
+  A user of :class:`scheduler.demo.population.Population` is drawn per group and reacts; each signal
+  is stored once the simulated clock passes its arrival. The round's update runs at its end, after
+  every due signal, before the 1 h retention of its sessions (let alone the day and the week) arrived.
+- **update**, the only difference between the arms (same steps, learning rate, groups per step and
+  plan seeds; no held-out evaluation inside):
+
+  - ``assisted``: the loop's retrain rule (:func:`reward_models.triggers.retrain_decision`: no model
+    promoted yet, or ``--rm-min-new-labels`` labeled sessions newer than the promoted model's window;
+    the age and drift triggers off) trains and maybe promotes a reward model
+    (:func:`reward_models.train.train_reward_models`, its own promotion gate); then a
+    :class:`policy.production.ProductionSession` with ``rl_reward = "assisted"``: labels for a group
+    labeled in full, the promoted model's score for every member of any other group (one scale per
+    GRPO group);
+  - ``labels``: the same session with ``rl_reward = "labels"``: sessions without a label wait.
+
+  An update with nothing to train on (no rewarded session yet) is skipped and counted.
+- **score**: v0 (once) and each arm's last version on the held-out tasks (single completions,
+  ``--eval-per-tier`` tasks per tier, ``--eval-samples`` each, the evaluator's fixed seed), scored by
+  :meth:`Population.expected_utility` from the keep and pass rates. Gain in points: ``100 x (final -
+  v0)``. The true utility of what users were served stays in this process (``served_utility_by_round``,
+  the diagnostics below); it is never stored.
+
+Same seed, same draws: both arms of a seed get the same population, tasks, users (drawn with the same
+random stream; a user who churned in one arm only is the exception) and reaction streams, and the
+same sampling seeds (identical sessions while the policies are equal: round 0).
+
+Prints one JSON object: per arm the gain's mean, std (ddof 1), min, max and per-seed values, the
+keep and pass rates, the sessions trained on and where their rewards came from (a label or the
+reward model), the reward models trained and promoted; the per-seed difference; whether assisted beat
+labels-only by more than the spread (``verdict.rule``); the conditions and the wall time. Diagnostics,
+from the true utility this process kept: ``reward_quality`` (per reward source, how well the rewards
+the updates trained with track the true utility: Pearson correlation and within-group pairwise
+agreement) and ``groups_mixing_sources`` (trained groups where some candidates had a label and the
+others the model's score). ``--workers`` runs (seed, arm) jobs in parallel processes, one torch
+thread each.
+
+Left out: retention labels. The default twelve simulated hours never reach a session's final (one-day) retention
+horizon, so the labels are selections, accepts and rejects, and model switches; both arms alike.
+
+Run: ``python benchmarks/ablation.py`` (defaults: seeds 0,1,2, 16 rounds of 32 groups; ``--quick`` for a
+smoke run).
+"""
+
+from __future__ import annotations
+
+import os
+
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import argparse  # noqa: E402
+import heapq  # noqa: E402
+import json  # noqa: E402
+import multiprocessing  # noqa: E402
+import queue  # noqa: E402
+import random  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from concurrent.futures import Future, ProcessPoolExecutor  # noqa: E402
+from dataclasses import asdict, dataclass, field, replace  # noqa: E402
+from datetime import UTC, datetime, timedelta  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+ARMS = ("assisted", "labels")
+T0 = datetime(2026, 1, 5, 9, 0, tzinfo=UTC)
+"""Start of the simulated clock."""
+NO_EVAL = {"per_tier": 0, "agent_per_tier": 0}
+
+
+@dataclass(frozen=True)
+class AblationConfig:
+    """Sizes of one ablation run (the command line's options)."""
+
+    seeds: tuple[int, ...] = (0, 1, 2)
+    rounds: int = 16
+    """Updates per arm; each after one round of simulated time (16 x 45 min: 12 simulated hours)."""
+    groups: int = 32
+    """Candidate groups served per round."""
+    k: int = 4
+    """Candidates per group."""
+    round_minutes: float = 45.0
+    """Simulated minutes per round (shorter than the first retention horizon, 1 h)."""
+    steps: int = 8
+    """Optimizer steps per update."""
+    advantage: str = "grpo"
+    """Advantage estimator of both arms (``PolicyConfig.advantage``: grpo, reinforce, rloo)."""
+    model_reward: str = "probability"
+    """How the assisted arm rewards a group the reward model scores (``RewardsConfig.rl_model_reward``)."""
+    lr: float = 3e-4
+    """Learning rate of the updates."""
+    groups_per_step: int = 8
+    """Units (candidate groups, or sessions alone) per optimizer step."""
+    max_tokens: int = 48
+    temperature: float = 1.0
+    sft_steps: int = 300
+    """Warm-up steps of v0 (modest: v0 has room to improve)."""
+    eval_per_tier: int = 48
+    """Held-out tasks per tier (3 tiers; tier 3 has 48) in the final evaluation."""
+    eval_samples: int = 8
+    """Samples per held-out task."""
+    rm_min_new_labels: int = 50
+    """Retrain the reward model when this many labeled sessions are newer than the promoted one's window."""
+    workers: int = 2
+    """(seed, arm) jobs run at once, one process and one torch thread each."""
+
+    @property
+    def round_s(self) -> float:
+        return self.round_minutes * 60.0
+
+
+QUICK = AblationConfig(seeds=(0,), rounds=2, groups=12, steps=2, groups_per_step=4, sft_steps=40)
+QUICK = replace(QUICK, eval_per_tier=4, eval_samples=2, rm_min_new_labels=10, workers=1)
+
+
+def v0_checkpoint(home: Path, sft_steps: int, seed: int = 0) -> Path:
+    """The cached warm-up checkpoint (trained and saved atomically when missing)."""
+    from policy.model import PRESETS_REVISION, save_checkpoint
+    from policy.sft import SFTConfig, warmup
+    from policy.tokenizer import REVISION
+
+    key = f"ablation-v0-tiny-seed{seed}-sft{sft_steps}-tok{REVISION}-m{PRESETS_REVISION}"
+    path = home / "bench-cache" / key
+    if (path / "config.json").exists():
+        return path
+    import torch
+
+    torch.set_num_threads(1)
+    model, tokenizer, _ = warmup(SFTConfig(preset="tiny", seed=seed, steps=sft_steps))
+    tmp = path.with_name(key + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_checkpoint(model, tokenizer, tmp)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+    return path
+
+
+def _iso(ts: datetime) -> str:
+    return ts.isoformat()
+
+
+def session_event(
+    sid: str, user: str, at: datetime, version: str, group: str, index: int, rollout: Any, prompt_text: str, body: str
+) -> dict[str, Any]:
+    """A ``session.completed`` envelope as the gateway emits it for one candidate of a group."""
+    from ingest.arrays import npy_to_b64
+
+    segment = {"role": "assistant", "text": body, "token_ids": [int(t) for t in rollout.completion_ids]}
+    if rollout.served_logprobs is not None:
+        segment["logprobs"] = [float(x) for x in rollout.served_logprobs]
+    payload: dict[str, Any] = {
+        "model": "undertow",
+        "policy_version": version,
+        "prompt": {"text": prompt_text, "token_ids": [int(t) for t in rollout.prompt_ids]},
+        "segments": [segment],
+        "sampling": {"temperature": 1.0, "max_tokens": 48},
+        "group_id": group,
+        "candidate_index": index,
+    }
+    if rollout.routed_experts is not None:
+        payload["routed_experts"] = npy_to_b64(rollout.routed_experts)
+    return {
+        "schema_version": 1,
+        "event_id": f"ev-{sid}",
+        "type": "session.completed",
+        "occurred_at": _iso(at),
+        "session_id": sid,
+        "user_id": user,
+        "payload": payload,
+    }
+
+
+def signal_event(signal: Any, n: int, at: datetime, user: str, group: str, ids: list[str]) -> dict[str, Any]:
+    """The envelope of one population signal, with the ids the caller owns added."""
+    payload = dict(signal.payload)
+    if signal.type == "candidates.shown":
+        payload.update(group_id=group, session_ids=list(ids))
+    elif signal.type == "candidate.selected":
+        payload.update(group_id=group, chosen_session_id=ids[signal.index])
+    event: dict[str, Any] = {
+        "schema_version": 1,
+        "event_id": f"sig-{group}-{n}",
+        "type": signal.type,
+        "occurred_at": _iso(at),
+        "user_id": user,
+        "payload": payload,
+    }
+    if signal.index is not None:
+        event["session_id"] = ids[signal.index]
+    return event
+
+
+def store(engine: Any, events: list[dict[str, Any]]) -> None:
+    """Validate and store events the way the consumer does (idempotent on ``event_id``)."""
+    if not events:
+        return
+    from ingest.db import transaction
+    from ingest.schemas import validate_event
+    from ingest.writer import write_events
+
+    with transaction(engine) as db:
+        write_events(db, [validate_event(e) for e in events])
+
+
+@dataclass
+class Pending:
+    """Signals not arrived yet, by arrival time."""
+
+    heap: list[tuple[datetime, int, dict[str, Any]]] = field(default_factory=list)
+    count: int = 0
+
+    def push(self, at: datetime, event: dict[str, Any]) -> None:
+        heapq.heappush(self.heap, (at, self.count, event))
+        self.count += 1
+
+    def due(self, now: datetime) -> list[dict[str, Any]]:
+        out = []
+        while self.heap and self.heap[0][0] <= now:
+            out.append(heapq.heappop(self.heap)[2])
+        return out
+
+
+def _serve_round(
+    model: Any, tokenizer: Any, cfg: AblationConfig, seed: int, rnd: int, version: str, population: Any
+) -> tuple[list[dict[str, Any]], list[tuple[datetime, dict[str, Any]]], dict[str, float], dict[str, float]]:
+    """Sample the round's groups, draw a user per group and their reactions: the session events, the
+    signals with their arrival times, the served outcomes' mean true utility and keep and pass rates, and
+    each session's true utility (kept in this process, never stored)."""
+    from policy.evaluate import decode_body
+    from policy.rollouts import rollouts_from_tasks, version_number
+    from policy.tasks import train_tasks
+    from scheduler.demo.population import Outcome
+
+    tasks = random.Random(f"tasks/{seed}/{rnd}").sample(train_tasks(), cfg.groups)
+    rollouts = rollouts_from_tasks(
+        model,
+        tokenizer,
+        tasks,
+        group_size=cfg.k,
+        temperature=cfg.temperature,
+        max_tokens=cfg.max_tokens,
+        seed=seed * 100_003 + rnd,
+        version=version_number(version) or 0,
+    )
+    by_task: dict[int, list[Any]] = {}
+    for r in rollouts:
+        by_task.setdefault(int(str(r.group_id).rsplit("/", 1)[1]), []).append(r)
+    sessions, signals = [], []
+    utilities, kept, passed = [], [], []
+    truth: dict[str, float] = {}
+    start = T0 + timedelta(seconds=rnd * cfg.round_s)
+    for g, task in enumerate(tasks):
+        members = by_task.get(g, [])
+        if len(members) < 2:
+            continue
+        at = start + timedelta(seconds=(g + 0.5) * cfg.round_s / cfg.groups)
+        group = f"grp-{seed}-{rnd}-{g}"
+        user = population.draw(random.Random(f"user/{seed}/{rnd}/{g}"))
+        ids = [f"s-{seed}-{rnd}-{g}-{i}" for i in range(len(members))]
+        outcomes = []
+        for i, r in enumerate(members):
+            body = decode_body(tokenizer, r.completion_ids)
+            lines = max(1, sum(1 for line in body.splitlines() if line.strip()))
+            outcomes.append(
+                Outcome(
+                    passed=bool(r.info["passed"]),
+                    kept=bool(r.info["kept"]),
+                    lines=lines,
+                    size=int(r.info["size"]),
+                    size_limit=task.size_limit,
+                )
+            )
+            sessions.append(session_event(ids[i], user.user_id, at, version, group, i, r, task.prompt, body))
+        reaction = population.react(user, outcomes, grouped=True, rng=random.Random(f"react/{seed}/{rnd}/{g}"))
+        for n, s in enumerate(reaction.signals):
+            when = at + timedelta(seconds=s.delay_s)
+            signals.append((when, signal_event(s, n, when, user.user_id, group, ids)))
+        utilities += list(reaction.utility)
+        truth.update(zip(ids, reaction.utility, strict=True))
+        kept += [o.kept for o in outcomes]
+        passed += [o.passed for o in outcomes]
+    n = max(len(utilities), 1)
+    served = {"utility": sum(utilities) / n, "keep_rate": sum(kept) / n, "pass_rate": sum(passed) / n}
+    return sessions, signals, served, truth
+
+
+def reward_quality(records: list[tuple[str, str, float, float]]) -> dict[str, dict[str, float | int | None]]:
+    """How well each reward source tracks the true utility, over ``(group, source, reward, utility)`` of
+    the trained sessions: Pearson correlation, and the within-group pairwise agreement (pairs of one
+    group and one source whose true utilities differ: 1 when the rewards order them alike, 0.5 on a
+    reward tie), which is what a group-relative advantage uses."""
+    import numpy as np
+
+    out: dict[str, dict[str, float | int | None]] = {}
+    for source in ("label", "reward_model"):
+        rows = [r for r in records if r[1] == source]
+        rewards = np.array([r[2] for r in rows], dtype=float)
+        utils = np.array([r[3] for r in rows], dtype=float)
+        pearson = None
+        if len(rows) > 2 and rewards.std() > 0 and utils.std() > 0:
+            pearson = float(np.corrcoef(rewards, utils)[0, 1])
+        groups: dict[str, list[tuple[float, float]]] = {}
+        for group, _, reward, utility in rows:
+            groups.setdefault(group, []).append((reward, utility))
+        agree, pairs = 0.0, 0
+        for members in groups.values():
+            for i, (ri, ui) in enumerate(members):
+                for rj, uj in members[i + 1 :]:
+                    if ui == uj:
+                        continue
+                    pairs += 1
+                    agree += 0.5 if ri == rj else float((ri - rj) * (ui - uj) > 0)
+        out[source] = {
+            "sessions": len(rows),
+            "pearson": pearson,
+            "pairs": pairs,
+            "pairwise_agreement": agree / pairs if pairs else None,
+        }
+    return out
+
+
+def mixed_groups(records: list[tuple[str, str, float, float]]) -> dict[str, float | int]:
+    """Trained groups whose members' rewards came from both sources (some labels, some scores): their
+    group-relative advantages compare a label with a score on another scale."""
+    sources: dict[str, set[str]] = {}
+    for group, source, _, _ in records:
+        sources.setdefault(group, set()).add(source)
+    mixed = sum(len(s) > 1 for s in sources.values())
+    return {"groups": len(sources), "mixed": mixed, "share": mixed / len(sources) if sources else 0.0}
+
+
+def _retrain(engine: Any, rewards: Any, home: Path, now: datetime) -> dict[str, Any]:
+    """The loop's retrain rule, then a training run (which promotes or not by its own gate)."""
+    from reward_models.train import TrainingDataError, train_reward_models
+    from reward_models.triggers import retrain_decision
+
+    decision = retrain_decision(engine, rewards, now=now)
+    if not decision.retrain:
+        return {"trained": False}
+    try:
+        report = train_reward_models(engine, rewards, home, now=now)
+    except TrainingDataError as exc:
+        return {"trained": False, "reason": str(exc)[:160]}
+    return {"trained": True, "promoted": report.promoted, "status": report.status, "reason": report.reason[:160]}
+
+
+def run_arm(
+    arm: str, seed: int, cfg: AblationConfig, v0_path: str, workdir: str, progress: Any = None
+) -> dict[str, Any]:
+    """One closed loop (see the module docstring); returns its figures."""
+    import torch
+
+    from ingest.db import make_engine, upgrade
+    from policy.config import PolicyConfig
+    from policy.evaluate import EvalConfig, evaluate
+    from policy.model import load_checkpoint
+    from policy.production import ProductionSession, TrainRequest, session_rewards
+    from policy.versions import record_version, version_id
+    from reward_models.config import RewardsConfig
+    from reward_models.registry import current_promoted
+    from scheduler.demo.population import Population
+    from scheduler.runtime.logs import configure_logging
+
+    configure_logging("WARNING")
+    torch.set_num_threads(1)
+    home = Path(workdir) / f"{arm}-seed{seed}"
+    home.mkdir(parents=True, exist_ok=True)
+    url = f"sqlite:///{home / 'undertow.db'}"
+    upgrade(url)
+    engine = make_engine(url)
+    record_version(engine, version=version_id(0), parent=None, step=0, checkpoint_path=Path(v0_path), metrics={})
+    population = Population(seed=seed)
+    rewards = RewardsConfig(
+        rl_reward=arm,
+        rl_model_reward=cfg.model_reward,
+        retrain_min_new_labels=cfg.rm_min_new_labels,
+        retrain_interval_s=10**9,
+    )
+    labels_only = rewards.model_copy(update={"rl_reward": "labels"})
+    policy = PolicyConfig(seed=seed, threads=1, advantage=cfg.advantage)
+    model, tokenizer = load_checkpoint(v0_path)
+    version = version_id(0)
+    pending = Pending()
+    rounds: list[dict[str, Any]] = []
+    truth: dict[str, float] = {}
+    quality: list[tuple[str, str, float, float]] = []
+    for rnd in range(cfg.rounds):
+        sessions, signals, served, served_truth = _serve_round(model, tokenizer, cfg, seed, rnd, version, population)
+        truth.update(served_truth)
+        store(engine, sessions)
+        for when, event in signals:
+            pending.push(when, event)
+        now = T0 + timedelta(seconds=(rnd + 1) * cfg.round_s)
+        arrived = pending.due(now)
+        store(engine, arrived)
+        row: dict[str, Any] = {"round": rnd, "version": version, "served": served, "signals_arrived": len(arrived)}
+        if arm == "assisted":
+            row["reward_model"] = _retrain(engine, rewards, home, now)
+        row["reward_model_promoted"] = current_promoted(engine) is not None
+        label_of = session_rewards(engine, labels_only, now)
+        row["labeled_sessions"] = len(label_of)
+        request = TrainRequest(
+            steps=cfg.steps,
+            lr=cfg.lr,
+            groups_per_step=cfg.groups_per_step,
+            eval=dict(NO_EVAL),
+            label=f"{arm} round {rnd}",
+            now=now,
+        )
+        try:
+            trainer = ProductionSession(policy, rewards, url, home, request)
+        except RuntimeError as exc:
+            if "no rewarded session" not in str(exc):
+                raise
+            row["skipped"] = True
+        else:
+            used = {sid: reward for batch in trainer.plan for sid, reward in batch}
+            # a labeled candidate of a group not labeled in full trains with the model's score
+            labeled = {sid for sid, reward in used.items() if sid in label_of and reward == label_of[sid]}
+            for sid, reward in used.items():
+                group = sid.rsplit("-", 1)[0]
+                quality.append((f"{rnd}/{group}", "label" if sid in labeled else "reward_model", reward, truth[sid]))
+            while not trainer.done:
+                trainer.step()
+            result = trainer.result()
+            trained = set(result["trained_sessions"])
+            row.update(
+                skipped=False,
+                trained_sessions=len(trained),
+                from_label=len(trained & labeled),
+                from_reward_model=len(trained - labeled),
+                reward_mean=result["metrics"]["reward/mean"],
+            )
+            version = result["version"]
+            model, tokenizer = load_checkpoint(result["checkpoint"])
+        rounds.append(row)
+        if progress is not None:
+            progress.put(1)
+    final = evaluate(model, tokenizer, EvalConfig(per_tier=cfg.eval_per_tier, samples_per_task=cfg.eval_samples))
+    if progress is not None:
+        progress.put(1)
+    engine.dispose()
+    return {
+        "arm": arm,
+        "seed": seed,
+        "final_version": version,
+        "keep_rate": final["eval/keep_rate"],
+        "pass_rate": final["eval/pass_rate"],
+        "utility": population.expected_utility(final["eval/keep_rate"], final["eval/pass_rate"]),
+        "rounds": rounds,
+        "reward_quality": reward_quality(quality),
+        "groups_mixing_sources": mixed_groups(quality),
+        "database": url,
+    }
+
+
+def evaluate_v0(v0_path: str, cfg: AblationConfig, progress: Any = None) -> dict[str, float]:
+    """v0's held-out keep and pass rates (the same evaluation as the arms' final versions)."""
+    import torch
+
+    from policy.evaluate import EvalConfig, evaluate
+    from policy.model import load_checkpoint
+    from scheduler.runtime.logs import configure_logging
+
+    configure_logging("WARNING")
+    torch.set_num_threads(1)
+    model, tokenizer = load_checkpoint(v0_path)
+    out = evaluate(model, tokenizer, EvalConfig(per_tier=cfg.eval_per_tier, samples_per_task=cfg.eval_samples))
+    if progress is not None:
+        progress.put(1)
+    return {"keep_rate": out["eval/keep_rate"], "pass_rate": out["eval/pass_rate"]}
+
+
+def spread(values: list[float]) -> dict[str, float | None]:
+    """Mean, std (ddof 1; None for one value), min and max."""
+    return {
+        "mean": statistics.fmean(values),
+        "std": statistics.stdev(values) if len(values) > 1 else None,
+        "min": min(values),
+        "max": max(values),
+    }
+
+
+def _mean_of(values: Any) -> float | None:
+    present = [float(v) for v in values if v is not None]
+    return statistics.fmean(present) if present else None
+
+
+def _arm_summary(runs: list[dict[str, Any]], v0_utility: dict[int, float]) -> dict[str, Any]:
+    gains = {r["seed"]: 100.0 * (r["utility"] - v0_utility[r["seed"]]) for r in runs}
+    updates = [row for r in runs for row in r["rounds"]]
+    done = [row for row in updates if not row.get("skipped")]
+    label = sum(row["from_label"] for row in done)
+    scored = sum(row["from_reward_model"] for row in done)
+    rms = [row["reward_model"] for row in updates if "reward_model" in row]
+    return {
+        "gain_points": {**spread(list(gains.values())), "per_seed": gains},
+        "keep_rate": {r["seed"]: r["keep_rate"] for r in runs},
+        "pass_rate": {r["seed"]: r["pass_rate"] for r in runs},
+        "utility": {r["seed"]: r["utility"] for r in runs},
+        "updates": len(done),
+        "updates_skipped": len(updates) - len(done),
+        "trained_sessions": label + scored,
+        "trained_sessions_per_update": (label + scored) / max(len(done), 1),
+        "reward_source": {
+            "label": label,
+            "reward_model": scored,
+            "label_share": label / max(label + scored, 1),
+            "reward_model_share": scored / max(label + scored, 1),
+        },
+        "reward_models": {
+            "trained": sum(bool(x.get("trained")) for x in rms),
+            "promoted": sum(bool(x.get("promoted")) for x in rms),
+            "updates_with_a_promoted_model": sum(bool(row["reward_model_promoted"]) for row in updates),
+        },
+        "reward_quality": {
+            source: {
+                "sessions": sum(int(r["reward_quality"][source]["sessions"] or 0) for r in runs),
+                "pearson_mean_over_seeds": _mean_of(r["reward_quality"][source]["pearson"] for r in runs),
+                "pairwise_agreement_mean_over_seeds": _mean_of(
+                    r["reward_quality"][source]["pairwise_agreement"] for r in runs
+                ),
+            }
+            for source in ("label", "reward_model")
+        },
+        "groups_mixing_sources": {
+            "groups": sum(int(r["groups_mixing_sources"]["groups"]) for r in runs),
+            "mixed": sum(int(r["groups_mixing_sources"]["mixed"]) for r in runs),
+        },
+        "served_utility_by_round": [
+            statistics.fmean(r["rounds"][i]["served"]["utility"] for r in runs) for i in range(len(runs[0]["rounds"]))
+        ],
+        "runs": runs,
+    }
+
+
+def _jobs(cfg: AblationConfig, v0_path: str, workdir: str, progress: Any) -> tuple[dict[str, float], list[Any]]:
+    """v0's evaluation and every (seed, arm) loop, in ``cfg.workers`` processes (in this one for 1)."""
+    jobs = [(arm, seed) for seed in cfg.seeds for arm in ARMS]
+    if cfg.workers <= 1:
+        v0 = evaluate_v0(v0_path, cfg, progress)
+        return v0, [run_arm(arm, seed, cfg, v0_path, workdir, progress) for arm, seed in jobs]
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=cfg.workers, mp_context=ctx) as pool:
+        futures: list[Future[Any]] = [
+            pool.submit(run_arm, arm, seed, cfg, v0_path, workdir, progress) for arm, seed in jobs
+        ]
+        v0_future = pool.submit(evaluate_v0, v0_path, cfg, progress)
+        return v0_future.result(), [f.result() for f in futures]
+
+
+def run(cfg: AblationConfig, v0: Path | None, home: Path, keep: Path | None = None) -> dict[str, Any]:
+    """The whole ablation; returns the JSON object."""
+    from tqdm import tqdm
+
+    from scheduler.demo.population import Population
+
+    started = time.monotonic()
+    v0_source = "given" if v0 is not None else "cache"
+    v0_path = v0 if v0 is not None else v0_checkpoint(home, cfg.sft_steps)
+    setup_s = time.monotonic() - started
+    workdir = Path(tempfile.mkdtemp(prefix="ablation-")) if keep is None else keep
+    total = len(cfg.seeds) * len(ARMS) * (cfg.rounds + 1) + 1
+    manager = multiprocessing.get_context("spawn").Manager() if cfg.workers > 1 else None
+    progress: Any = manager.Queue() if manager is not None else queue.SimpleQueue()
+    bar = tqdm(total=total, desc="ablation (rounds and evaluations)", file=sys.stderr, unit="step")
+    try:
+        import threading
+
+        done = threading.Event()
+
+        def pump() -> None:
+            while not done.is_set() or not progress.empty():
+                try:
+                    bar.update(progress.get(timeout=0.2))
+                except queue.Empty:
+                    continue
+
+        pumper = threading.Thread(target=pump, daemon=True)
+        pumper.start()
+        v0_rates, runs = _jobs(cfg, str(v0_path), str(workdir), progress)
+        done.set()
+        pumper.join()
+    finally:
+        bar.close()
+        if manager is not None:
+            manager.shutdown()
+        if keep is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    v0_utility = {
+        s: Population(seed=s).expected_utility(v0_rates["keep_rate"], v0_rates["pass_rate"]) for s in cfg.seeds
+    }
+    arms = {arm: _arm_summary([r for r in runs if r["arm"] == arm], v0_utility) for arm in ARMS}
+    diffs = {
+        s: arms["assisted"]["gain_points"]["per_seed"][s] - arms["labels"]["gain_points"]["per_seed"][s]
+        for s in cfg.seeds
+    }
+    stds = [arms[a]["gain_points"]["std"] for a in ARMS]
+    worst = max((s for s in stds if s is not None), default=None)
+    mean_diff = statistics.fmean(diffs.values())
+    beats = worst is not None and mean_diff > worst
+    return {
+        "arms": arms,
+        "v0": {"source": v0_source, **v0_rates, "utility": v0_utility},
+        "difference_points": {**spread(list(diffs.values())), "per_seed": diffs},
+        "verdict": {
+            "assisted_beats_labels_by_more_than_spread": beats,
+            "rule": "mean over seeds of (assisted gain - labels-only gain) > the larger of the two arms' gain std "
+            "(ddof 1, over seeds); undecided (false) with one seed",
+            "margin_points": None if worst is None else mean_diff - worst,
+        },
+        "conditions": {
+            **{k: v for k, v in asdict(cfg).items() if k != "seeds"},
+            "seeds": list(cfg.seeds),
+            "simulated_minutes_per_round": cfg.round_minutes,
+            "population": "scheduler.demo.population.PopulationConfig() defaults",
+            "retrain_rule": "reward_models.triggers.retrain_decision: no promoted model, or >= "
+            f"{cfg.rm_min_new_labels} labeled sessions newer than its window (age and drift triggers off)",
+            "eval": f"{cfg.eval_per_tier} held-out tasks per tier x 3 tiers x {cfg.eval_samples} samples, "
+            "single completions, EvalConfig seed",
+            "machine_threads": os.cpu_count(),
+            "torch_threads_per_job": 1,
+            "load_average_at_end": list(os.getloadavg()),
+        },
+        "setup_s": setup_s,
+        "wall_s": time.monotonic() - started,
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[AblationConfig, argparse.Namespace]:
+    d = AblationConfig()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument(
+        "--seeds", default=",".join(map(str, d.seeds)), help="comma-separated seeds (3 or more for a spread)"
+    )
+    p.add_argument("--rounds", type=int, default=d.rounds)
+    p.add_argument("--groups", type=int, default=d.groups, help="candidate groups per round")
+    p.add_argument("--k", type=int, default=d.k, help="candidates per group")
+    p.add_argument("--round-minutes", type=float, default=d.round_minutes, help="simulated minutes per round")
+    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps per update")
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--advantage", choices=("grpo", "reinforce", "rloo"), default=d.advantage)
+    p.add_argument("--model-reward", choices=("probability", "best_of_group"), default=d.model_reward)
+    p.add_argument("--groups-per-step", type=int, default=d.groups_per_step)
+    p.add_argument("--sft-steps", type=int, default=d.sft_steps, help="warm-up steps of v0 (cached)")
+    p.add_argument("--eval-per-tier", type=int, default=d.eval_per_tier)
+    p.add_argument("--eval-samples", type=int, default=d.eval_samples)
+    p.add_argument("--rm-min-new-labels", type=int, default=d.rm_min_new_labels)
+    p.add_argument("--workers", type=int, default=d.workers, help="(seed, arm) jobs at once")
+    p.add_argument("--v0", type=Path, default=None, help="an existing v0 checkpoint directory")
+    p.add_argument("--home", type=Path, default=Path(".undertow"), help="Undertow home (v0 cache)")
+    p.add_argument("--keep", type=Path, default=None, help="keep the databases and checkpoints in this directory")
+    p.add_argument("--quick", action="store_true", help="a tiny smoke run (1 seed, 2 rounds, small sizes)")
+    args = p.parse_args(argv)
+    if args.quick:
+        return QUICK, args
+    cfg = AblationConfig(
+        seeds=tuple(int(s) for s in str(args.seeds).split(",") if s.strip()),
+        rounds=args.rounds,
+        groups=args.groups,
+        k=args.k,
+        round_minutes=args.round_minutes,
+        steps=args.steps,
+        lr=args.lr,
+        advantage=args.advantage,
+        model_reward=args.model_reward,
+        groups_per_step=args.groups_per_step,
+        sft_steps=args.sft_steps,
+        eval_per_tier=args.eval_per_tier,
+        eval_samples=args.eval_samples,
+        rm_min_new_labels=args.rm_min_new_labels,
+        workers=args.workers,
+    )
+    return cfg, args
+
+
+def main(argv: list[str] | None = None) -> None:
+    from scheduler.runtime.logs import configure_logging
+
+    configure_logging("WARNING")  # stdout carries the one JSON object
+    cfg, args = parse_args(argv)
+    print(json.dumps(run(cfg, args.v0, args.home, args.keep), default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+"""``benchmarks/ablation.py`` and the switch it compares: ``RewardsConfig.rl_reward`` decides whether
+sessions without a label are trained on with the reward model's score; partial signals (a group shown
+but not selected, retention not measured yet, thumbs only) are no label, never a negative one; a tiny
+closed loop of both arms trains the labels-only arm on labeled sessions only, the assisted arm on
+reward-model scores too, from the same first sessions, and stores no true utility."""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from sqlalchemy.engine import Engine
+
+from benchmarks import ablation
+from ingest.db import make_engine, upgrade
+from policy.production import _reward_groups, session_rewards
+from reward_models.config import RewardsConfig
+from reward_models.data import load_sessions, load_signals
+from reward_models.labels import build_labels
+from scheduler.demo.population import Signal
+
+WIRE_FIELDS = {
+    "candidates.shown": {"group_id", "session_ids"},
+    "candidate.selected": {"group_id", "chosen_session_id"},
+    "edit.accepted": {"edit_id", "lines"},
+    "edit.rejected": {"edit_id", "lines"},
+    "code.retained": {"horizon_s", "lines_written", "lines_retained", "final_text"},
+    "model.switched": {"from_model", "to_model"},
+    "feedback.thumbs": {"value"},
+    "user.churned": {"inactive_days"},
+}
+"""Payload fields of each signal type in the wire contract: all a stored signal may carry."""
+
+
+def _store(engine: Engine, events: list[dict[str, Any]]) -> None:
+    ablation.store(engine, events)
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Iterator[tuple[str, Engine]]:
+    url = f"sqlite:///{tmp_path / 'undertow.db'}"
+    upgrade(url)
+    engine = make_engine(url)
+    yield url, engine
+    engine.dispose()
+
+
+def _group_events(tag: str, user: str = "dev-001", k: int = 4) -> tuple[list[dict[str, Any]], list[str]]:
+    """``k`` stored candidates of one group, as the benchmark builds them (tokens, logprobs, ids)."""
+    from policy.rollouts import Rollout
+
+    ids = [f"s-{tag}-{i}" for i in range(k)]
+    at = ablation.T0
+    events = []
+    for i, sid in enumerate(ids):
+        rollout = Rollout(prompt_ids=[0, 5, 6], completion_ids=[7, 8 + i, 0], reward=0.0,
+                          served_logprobs=np.array([-0.5, -0.25, -0.1]))  # fmt: skip
+        body = "return x" + " + 0" * i
+        events.append(ablation.session_event(sid, user, at, "v0000", f"grp-{tag}", i, rollout, "# f\n", body))
+    return events, ids
+
+
+def _signals(tag: str, signals: list[Signal], ids: list[str], user: str = "dev-001") -> list[dict[str, Any]]:
+    return [
+        ablation.signal_event(s, n, ablation.T0 + timedelta(seconds=s.delay_s), user, f"grp-{tag}", ids)
+        for n, s in enumerate(signals)
+    ]
+
+
+def test_partial_signals_are_no_label_and_a_selection_labels_the_whole_group(db: tuple[str, Engine]) -> None:
+    _, engine = db
+    shown, ids_a = _group_events("a")
+    thumbs, ids_b = _group_events("b")
+    selected, ids_c = _group_events("c")
+    _store(engine, shown + thumbs + selected)
+    _store(
+        engine,
+        _signals("a", [Signal(1.0, "candidates.shown", 0, {})], ids_a)
+        + _signals(
+            "b",
+            [
+                Signal(1.0, "candidates.shown", 0, {}),
+                Signal(90.0, "feedback.thumbs", 2, {"value": -1}),
+                Signal(3700.0, "code.retained", 2, {"horizon_s": 3600, "lines_written": 1, "lines_retained": 0}),
+            ],
+            ids_b,
+        )
+        + _signals("c", [Signal(1.0, "candidates.shown", 0, {}), Signal(20.0, "candidate.selected", 1, {})], ids_c),
+    )
+    now = ablation.T0 + timedelta(hours=2)  # the 1 h horizon measured, the day not yet
+    labels = build_labels(load_sessions(engine), load_signals(engine), RewardsConfig(), now).sessions
+    # Shown without a selection: no candidate lost anything.
+    assert labels.loc[ids_a, "selection"].isna().all() and labels.loc[ids_a, "reward"].isna().all()
+    # Thumbs (weight 0) and a retention whose longest horizon is pending: no reward yet, not a zero.
+    assert labels.loc[ids_b[2], "thumbs"] == -1.0 and labels.loc[ids_b[2], "retention"] == 0.0
+    assert not labels.loc[ids_b[2], "retention_final"] and labels.loc[ids_b, "reward"].isna().all()
+    # A reported selection: the chosen candidate wins, the other three shown with it lose.
+    assert labels.loc[ids_c, "reward"].tolist() == [0.0, 1.0, 0.0, 0.0]
+    rewards = session_rewards(engine, RewardsConfig(rl_reward="labels"), now)
+    assert set(rewards) == set(ids_c)
+    later = session_rewards(engine, RewardsConfig(rl_reward="labels"), now + timedelta(days=1))
+    assert later[ids_b[2]] == 0.0  # a day and the grace later, the measured retention is final
+    assert not set(later) & set(ids_a)
+
+
+def test_rl_reward_switch_scores_unlabeled_sessions_only_when_assisted(db: tuple[str, Engine], tmp_path: Path) -> None:
+    from reward_models.registry import current_promoted
+    from reward_models.synthetic import generate_events
+    from reward_models.train import train_reward_models
+
+    _, engine = db
+    start = ablation.T0
+    events, _ = generate_events(500, seed=3, start=start, span_s=3 * 86400.0)
+    _store(engine, events)
+    now = start + timedelta(days=5)
+    report = train_reward_models(engine, RewardsConfig(), tmp_path, now=now)
+    assert report.promoted and current_promoted(engine) is not None
+    fresh_events, _ = generate_events(30, seed=11, start=now - timedelta(hours=1), span_s=600.0, now=now)
+    fresh = [e for e in fresh_events if e["type"] == "session.completed"]
+    _store(engine, fresh)  # served, no signal arrived yet
+    fresh_ids = {e["session_id"] for e in fresh}
+    group_events, group_ids = _group_events("p")  # a group where only the pick's rejection was reported
+    _store(engine, group_events)
+    _store(engine, _signals("p", [Signal(60.0, "edit.rejected", 1, {"lines": 1})], group_ids))
+
+    assisted = session_rewards(engine, RewardsConfig(), now)
+    labels_only = session_rewards(engine, RewardsConfig(rl_reward="labels"), now)
+    labeled = build_labels(load_sessions(engine), load_signals(engine), RewardsConfig(), now).sessions["reward"]
+    assert set(labels_only) == {str(s) for s, v in labeled.items() if np.isfinite(v)}
+    assert not fresh_ids & set(labels_only)
+    assert fresh_ids <= set(assisted)
+    # a group labeled in full keeps its labels; a group with unlabeled members is scored in full, so
+    # GRPO never compares a label with a score
+    frame = load_sessions(engine)
+    group = dict(zip(frame["session_id"].astype(str), _reward_groups(frame), strict=True))
+    partial = {group[s] for s in group if s not in labels_only}
+    full = {s: v for s, v in labels_only.items() if group[s] not in partial}
+    assert full and {s: assisted[s] for s in full} == full
+    mixed = [s for s in labels_only if group[s] in partial]
+    assert mixed == [group_ids[1]] and labels_only[group_ids[1]] == 0.0
+    assert set(group_ids) <= set(assisted)
+    assert all(0.0 < assisted[s] < 1.0 for s in mixed)  # model scores, not the labels 0 and 1
+    scores = [assisted[s] for s in fresh_ids]
+    assert all(0.0 < x < 1.0 for x in scores) and len(set(scores)) > 1
+
+
+def test_reward_quality_measures_agreement_with_the_true_utility() -> None:
+    records = [
+        ("g1", "label", 1.0, 0.9),
+        ("g1", "label", 0.0, 0.1),
+        ("g1", "label", 0.0, 0.1),  # equal utility: no pair with the one before
+        ("g2", "reward_model", 0.2, 1.0),
+        ("g2", "reward_model", 0.8, 0.0),
+        ("g3", "reward_model", 0.5, 1.0),
+        ("g3", "reward_model", 0.5, 0.0),
+    ]
+    quality = ablation.reward_quality(records)
+    assert quality["label"]["pairs"] == 2 and quality["label"]["pairwise_agreement"] == 1.0
+    assert quality["label"]["pearson"] == pytest.approx(1.0)
+    assert quality["reward_model"]["pairs"] == 2
+    assert quality["reward_model"]["pairwise_agreement"] == pytest.approx(0.25)  # one reversed, one tie
+    pearson = quality["reward_model"]["pearson"]
+    assert pearson is not None and pearson < 0
+    mixed = ablation.mixed_groups([*records, ("g3", "label", 1.0, 1.0)])
+    assert mixed == {"groups": 3, "mixed": 1, "share": pytest.approx(1 / 3)}
+
+
+def _rows(path: Path, query: str) -> list[tuple[Any, ...]]:
+    with sqlite3.connect(path) as conn:
+        return conn.execute(query).fetchall()
+
+
+@pytest.mark.slow
+def test_a_tiny_closed_loop_of_both_arms(tmp_path: Path) -> None:
+    cfg = ablation.AblationConfig(
+        seeds=(0,), rounds=2, groups=32, steps=2, groups_per_step=4, sft_steps=200,
+        eval_per_tier=4, eval_samples=2, rm_min_new_labels=10, workers=1,
+    )  # fmt: skip
+    keep = tmp_path / "runs"
+    out = ablation.run(cfg, None, tmp_path / "home", keep)
+    json.dumps(out)  # one JSON object
+
+    arms = out["arms"]
+    assert set(arms) == {"assisted", "labels"}
+    v0 = out["v0"]["utility"][0]
+    for summary in arms.values():
+        run = summary["runs"][0]
+        assert summary["gain_points"]["per_seed"][0] == pytest.approx(100 * (run["utility"] - v0))
+        assert summary["updates"] + summary["updates_skipped"] == cfg.rounds
+        assert summary["trained_sessions"] == sum(r.get("trained_sessions", 0) for r in run["rounds"])
+        assert 0.0 <= summary["keep_rate"][0] <= summary["pass_rate"][0] <= 1.0
+    diff = out["difference_points"]["per_seed"][0]
+    assert diff == pytest.approx(
+        arms["assisted"]["gain_points"]["per_seed"][0] - arms["labels"]["gain_points"]["per_seed"][0]
+    )
+    assert out["verdict"]["assisted_beats_labels_by_more_than_spread"] is False  # one seed has no spread
+    assert out["conditions"]["seeds"] == [0] and out["conditions"]["rounds"] == 2
+
+    labels_rounds = arms["labels"]["runs"][0]["rounds"]
+    assert all(r["from_reward_model"] == 0 for r in labels_rounds if not r["skipped"])
+    assert arms["labels"]["reward_source"]["reward_model"] == 0 and arms["labels"]["reward_models"]["trained"] == 0
+    assert arms["assisted"]["reward_models"]["promoted"] >= 1
+    assert arms["assisted"]["reward_source"]["reward_model"] > 0  # fresh sessions scored by the promoted model
+    assert math.isfinite(arms["assisted"]["reward_quality"]["reward_model"]["pearson_mean_over_seeds"])
+    assert arms["labels"]["groups_mixing_sources"]["mixed"] == 0
+
+    dbs = {arm: keep / f"{arm}-seed0" / "undertow.db" for arm in ablation.ARMS}
+    first = {
+        arm: _rows(path, "SELECT session_id, completion_text FROM sessions WHERE policy_version = 'v0000' ORDER BY 1")
+        for arm, path in dbs.items()
+    }
+    assert first["assisted"] == first["labels"] and len(first["labels"]) == cfg.groups * cfg.k  # same first round
+    for path in dbs.values():
+        for kind, payload in _rows(path, "SELECT type, payload FROM signals"):
+            assert set(json.loads(payload)) <= WIRE_FIELDS[kind], (kind, payload)
+        with sqlite3.connect(path) as conn:
+            dump = "\n".join(conn.iterdump())
+        assert "utility" not in dump.lower()
+
+
+def test_best_of_group_rewards_the_models_pick_like_a_selection() -> None:
+    from policy.production import _best_of_group
+
+    keys = np.array(["g1", "g1", "g1", "solo", "g2", "g2"])
+    scores = np.array([0.2, 1.5, -0.3, 0.4, 0.7, 0.7])
+    probability = 1.0 / (1.0 + np.exp(-scores))
+    out = _best_of_group(keys, scores, probability)
+    assert out.tolist()[:3] == [0.0, 1.0, 0.0]  # the model's top pick wins its group
+    assert out[3] == probability[3]  # a session alone keeps its calibrated probability
+    assert out.tolist()[4:] == [1.0, 0.0]  # a tie goes to the first, exactly one winner per group
