@@ -86,8 +86,9 @@ class RolloutResult:
 def _judged_enough(new: dict[str, Any], config: DeployConfig) -> bool:
     """Whether the new version has its minimum of judged sessions (always, when the metrics source
     does not count them)."""
-    judged = new.get("judged")
-    return judged is None or int(judged) >= config.gate_min_judged
+    if new.get("judged") is None and new.get("judged_sessions") is None:
+        return True
+    return _n(new) >= config.gate_min_judged
 
 
 def gate(new: dict[str, Any] | None, old: dict[str, Any] | None, config: DeployConfig) -> tuple[bool, str]:
@@ -111,7 +112,7 @@ def gate(new: dict[str, Any] | None, old: dict[str, Any] | None, config: DeployC
     if not _judged_enough(new, config):
         return (
             False,
-            f"the new version was judged on {new.get('judged')} sessions, fewer than the minimum of "
+            f"the new version was judged on {_n(new)} sessions, fewer than the minimum of "
             f"{config.gate_min_judged}: nobody could judge it yet",
         )
     old = old or {}
@@ -145,31 +146,48 @@ def stratified_drop(new: dict[str, Any], old: dict[str, Any]) -> tuple[float, fl
 
     Agent sessions are accepted far less often than single completions, and a canary that happened
     to serve more of them would look worse by its mix alone. So the drops of the kinds both versions
-    were judged on are averaged with weights by the kind's signals on both sides (a stratified
-    difference), their variances with the squared weights. The gate fails a stage on acceptance
-    only when the overall drop and this one are both too large."""
+    were judged on are averaged with weights by the kind's judged sessions on both sides (a
+    stratified difference), their variances (pooled, :func:`_null_variance`) with the squared
+    weights. The gate fails a stage on acceptance only when the overall drop and this one are both
+    too large."""
     kinds_new, kinds_old = new.get("by_kind") or {}, old.get("by_kind") or {}
-    common = sorted(k for k in kinds_new if k in kinds_old and kinds_new[k]["judged"] and kinds_old[k]["judged"])
+    common = sorted(k for k in kinds_new if k in kinds_old and _n(kinds_new[k]) and _n(kinds_old[k]))
     if not common:
         return None
-    total = sum(kinds_new[k]["judged"] + kinds_old[k]["judged"] for k in common)
+    total = sum(_n(kinds_new[k]) + _n(kinds_old[k]) for k in common)
     drop = variance = 0.0
     for k in common:
         a, b = kinds_new[k], kinds_old[k]
-        w = (a["judged"] + b["judged"]) / total
+        w = (_n(a) + _n(b)) / total
         p_new, p_old = min(max(float(a["acceptance"]), 0.0), 1.0), min(max(float(b["acceptance"]), 0.0), 1.0)
         drop += w * (p_old - p_new)
-        variance += w * w * (p_new * (1 - p_new) / a["judged"] + p_old * (1 - p_old) / b["judged"])
+        variance += w * w * _null_variance(p_new, _n(a), p_old, _n(b))
     return drop, math.sqrt(variance)
 
 
+def _null_variance(p_new: float, n_new: int, p_old: float, n_old: int) -> float:
+    """Variance of ``p_old - p_new`` if both versions were accepted alike (the pooled two-proportion
+    test): unlike each side's own ``p (1 - p) / n``, a canary that no one accepted yet (``p_new`` 0)
+    on a handful of sessions does not look certain."""
+    pooled = (p_new * n_new + p_old * n_old) / (n_new + n_old)
+    return pooled * (1 - pooled) * (1 / n_new + 1 / n_old)
+
+
+def _n(side: dict[str, Any]) -> int:
+    """The sample size of one side's acceptance: its judged sessions when the source counts them (one
+    session's signals, an accept and its retention at each horizon, are one observation), else its
+    judged signals."""
+    sessions = side.get("judged_sessions")
+    return int(sessions if sessions is not None else side.get("judged") or 0)
+
+
 def _drop_se(new: dict[str, Any], old: dict[str, Any]) -> float:
-    """Standard error of ``old - new`` acceptance from the judged counts (0 when a count is missing)."""
-    n_new, n_old = int(new.get("judged") or 0), int(old.get("judged") or 0)
+    """Standard error of ``old - new`` acceptance from the judged sessions (:func:`_n`; 0 when a count is missing)."""
+    n_new, n_old = _n(new), _n(old)
     if n_new <= 0 or n_old <= 0:
         return 0.0
-    p_new, p_old = float(new["acceptance"]), float(old["acceptance"])
-    return math.sqrt(p_new * (1 - p_new) / n_new + p_old * (1 - p_old) / n_old)
+    p_new, p_old = min(max(float(new["acceptance"]), 0.0), 1.0), min(max(float(old["acceptance"]), 0.0), 1.0)
+    return math.sqrt(_null_variance(p_new, n_new, p_old, n_old))
 
 
 def stage_sizes(n: int, config: DeployConfig) -> list[int]:

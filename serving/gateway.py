@@ -81,6 +81,9 @@ ReplicaSource = Callable[[], Awaitable[list[Replica]]]
 """Returns the replicas in rotation (static list, or the registry)."""
 
 ACCEPT_TYPES = {"edit.accepted": 1.0, "edit.rejected": 0.0}
+MAX_COUNTED_SESSIONS = 100_000
+"""Distinct judged sessions remembered per version and kind; beyond, each signal counts as a session
+(the gate's standard errors are tiny by then anyway)."""
 OPEN = ClientKey("anonymous", ("serve", "metrics"))
 """Who calls a gateway built without a key ring (tests, a development stack)."""
 STREAM_BROKEN = (
@@ -150,10 +153,22 @@ class VersionStats:
     so the gate also compares the kinds apart (:func:`serving.deploy.stratified_drop`), each with
     the same robust mean."""
 
-    def judge(self, user: str | None, value: float, kind: str = "single") -> None:
-        """Count one acceptance signal of ``user`` (None: a user the gateway does not know) on traffic of ``kind``."""
+    sessions: dict[str, set[str]] = field(default_factory=dict)
+    """Judged session ids by kind (up to :data:`MAX_COUNTED_SESSIONS` each, then counted in
+    ``sessions_over``): one session's signals (an accept and its retention at three horizons) are one
+    observation, not four, so the gate's standard errors count sessions."""
+    sessions_over: dict[str, int] = field(default_factory=dict)
+
+    def judge(self, user: str | None, value: float, kind: str = "single", session_id: str | None = None) -> None:
+        """Count one acceptance signal of ``user`` (None: a user the gateway does not know) on traffic of
+        ``kind``, about ``session_id`` (None: counted as a session of its own)."""
         self.accepts += value
         self.judged += 1
+        seen = self.sessions.setdefault(kind, set())
+        if session_id is None or (session_id not in seen and len(seen) >= MAX_COUNTED_SESSIONS):
+            self.sessions_over[kind] = self.sessions_over.get(kind, 0) + 1
+        else:
+            seen.add(session_id)
         entry = self.per_user.setdefault(user or "", [0.0, 0.0])
         entry[0] += value
         entry[1] += 1
@@ -178,6 +193,9 @@ class VersionStats:
             users = sorted(users, key=lambda u: (u[0], u[1]))[:-k]
         return sum(mean * w for mean, w in users) / sum(w for _, w in users)
 
+    def _sessions(self, kind: str) -> int:
+        return len(self.sessions.get(kind, ())) + self.sessions_over.get(kind, 0)
+
     def summary(self) -> dict[str, Any]:
         lat = sorted(self.latencies_ms)
         return {
@@ -188,9 +206,14 @@ class VersionStats:
             "acceptance": self.acceptance(),
             "acceptance_raw": self.accepts / self.judged if self.judged else None,
             "judged": self.judged,
+            "judged_sessions": sum(self._sessions(kind) for kind in self.by_kind),
             "judged_users": len(self.per_user),
             "by_kind": {
-                kind: {"acceptance": self._robust(users), "judged": int(sum(n for _, n in users.values()))}
+                kind: {
+                    "acceptance": self._robust(users),
+                    "judged": int(sum(n for _, n in users.values())),
+                    "judged_sessions": self._sessions(kind),
+                }
                 for kind, users in self.by_kind.items()
             },
         }
@@ -228,7 +251,8 @@ class Gateway:
         self._rr = itertools.count()
         self.affinity: OrderedDict[str, str] = OrderedDict()
         """Agent session -> the replica that served its last turn (most recent last, bounded)."""
-        self.multi_turn: OrderedDict[str, None] = OrderedDict()
+        self.multi_turn: OrderedDict[str, str] = OrderedDict()
+        """Agent sessions and their turns' ids, each mapped to its agent session's id."""
         """Ids (sessions and their turns) of multi-turn agent sessions, to judge their signals apart."""
 
     async def authorize(self, authorization: str | None, scope: str) -> ClientKey | JSONResponse:
@@ -511,8 +535,8 @@ class Gateway:
         self.trust.served(session_id, req.version, req.user, req.client)
         if req.session is not None:
             self.trust.served(req.session, req.version, req.user, req.client)
-            remember(self.multi_turn, req.session, None)
-            remember(self.multi_turn, session_id, None)
+            remember(self.multi_turn, req.session, req.session)
+            remember(self.multi_turn, session_id, req.session)
         if self.emitter is not None:
             self.emitter.emit(turns.event(req, served, k))
 
@@ -640,8 +664,9 @@ class Gateway:
         elif kind == "code.retained" and payload.get("lines_written"):
             value = payload["lines_retained"] / payload["lines_written"]
         if value is not None:
-            kind = "agent" if session_id in self.multi_turn else "single"
-            self.stats[version].judge(self.trust.owner(session_id), value, kind)
+            agent = self.multi_turn.get(session_id)  # a signal on a turn is about its agent session
+            kind = "agent" if agent is not None else "single"
+            self.stats[version].judge(self.trust.owner(session_id), value, kind, agent or session_id)
 
     def metrics(self) -> dict[str, Any]:
         out: dict[str, Any] = {

@@ -235,7 +235,10 @@ def test_signals_on_agent_sessions_and_on_single_requests_are_judged_apart(one_e
             sid = complete(url, plugin, "dev").json()["choices"][0]["session_id"]
             assert signal(url, plugin, type="edit.accepted", session_id=sid, user_id="dev").status_code == 202
         kinds = metrics(url)["versions"]["v0"]["by_kind"]
-    assert kinds == {"agent": {"acceptance": 0.0, "judged": 2}, "single": {"acceptance": 1.0, "judged": 3}}
+    assert kinds == {  # the two signals on the agent session and on its turn are about one session
+        "agent": {"acceptance": 0.0, "judged": 2, "judged_sessions": 1},
+        "single": {"acceptance": 1.0, "judged": 3, "judged_sessions": 3},
+    }
 
 
 def test_a_session_several_versions_served_judges_none_of_them() -> None:
@@ -255,3 +258,42 @@ def test_a_session_several_versions_served_judges_none_of_them() -> None:
     metrics = gw.metrics()
     assert {v: s["judged"] for v, s in metrics["versions"].items()} == {"v2": 1}
     assert metrics["unjudged"] == {"mixed_versions": 1}
+
+
+def test_one_sessions_signals_are_one_observation_for_the_gate() -> None:
+    """An accept and its retention at three horizons are four signals about one session: the gate's
+    sample size counts sessions, so one failed request cannot look like four independent failures.
+    The figures are a real canary's (a version better offline, rolled back on one request)."""
+    from serving.config import DeployConfig
+    from serving.deploy import gate
+    from serving.gateway import VersionStats
+
+    def stats(single: list[list[float]], agent: list[float]) -> dict[str, object]:
+        version = VersionStats()
+        for i, signals in enumerate(single):  # a request: its accept or reject and its retention
+            for value in signals:
+                version.judge(f"dev-{i}", value, "single", f"s-{i}")
+        for i, value in enumerate(agent):
+            version.judge(f"dev-{i}", value, "agent", f"a-{i}")
+        return {**version.summary(), "error_rate": 0.0}
+
+    new = {**stats([[0.0] * 4], [1.0] * 3 + [0.0] * 5), "requests": 16}
+    assert new["judged"] == 12 and new["judged_sessions"] == 9
+    old = {**stats([[1.0] * 4] * 12 + [[0.0] * 4] * 2, [1.0] * 39 + [0.0] * 69), "requests": 129}
+    config = DeployConfig(gate_min_requests=16, gate_max_acceptance_drop=0.2)
+    assert gate(new, old, config)[0]  # one failed request and agents on par: nothing to roll back on
+    as_signals = {
+        **new,
+        "judged_sessions": None,
+        "by_kind": {k: {**v, "judged_sessions": None} for k, v in new["by_kind"].items()},
+    }  # type: ignore[attr-defined]
+    old_signals = {
+        **old,
+        "judged_sessions": None,
+        "by_kind": {k: {**v, "judged_sessions": None} for k, v in old["by_kind"].items()},
+    }  # type: ignore[attr-defined]
+    ok, why = gate(as_signals, old_signals, config)
+    assert not ok and "acceptance dropped" in why  # counted as twelve observations, it "dropped"
+    assert not gate(new, old, DeployConfig(gate_min_requests=16, gate_min_judged=10))[0]
+    collapsed = {**stats([[0.0] * 4] * 6, [0.0] * 10), "requests": 16}  # the gate drill: nobody accepts
+    assert not gate(collapsed, old, config)[0]
