@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import structlog
 import torch
 from sqlalchemy import select
@@ -137,14 +138,13 @@ def session_rewards(
     # nobody judged. A group labeled in full keeps its labels; any other group is scored in full.
     labeled = sessions["session_id"].astype(str).isin(list(out)).to_numpy()
     group = _reward_groups(sessions)
-    partial = set(group[~labeled])
-    scored = sessions[~labeled | group.isin(partial).to_numpy()]
+    mask = group.isin(set(group[~labeled])).to_numpy()  # every member of a group with an unlabeled one
+    scored = sessions[mask]
     if not scored.empty:
         scores = np.asarray(load_scorer(engine).score(scored), dtype=np.float64)
         probability = 1.0 / (1.0 + np.exp(-scores))
         if rewards_config.rl_model_reward == "best_of_group":
-            keys = group[~labeled | group.isin(partial).to_numpy()].to_numpy()
-            probability = _best_of_group(keys, scores, probability)
+            probability = _best_of_group(group[mask].to_numpy(), scores, probability)
         for sid, p in zip(scored["session_id"], probability, strict=True):
             out[str(sid)] = float(p)
     return out
@@ -153,12 +153,11 @@ def session_rewards(
 def _best_of_group(keys: np.ndarray, scores: np.ndarray, probability: np.ndarray) -> np.ndarray:
     """1 for the top-scored member of each group of 2 or more (the first on a tie), 0 for the others;
     a session alone keeps its probability."""
-    out = probability.copy()
-    for key in set(keys.tolist()):
-        members = np.flatnonzero(keys == key)
-        if len(members) >= 2:
-            out[members] = 0.0
-            out[members[int(np.argmax(scores[members]))]] = 1.0
+    frame = pd.DataFrame({"key": keys, "score": scores})
+    size = frame.groupby("key")["score"].transform("size").to_numpy()
+    best = frame.groupby("key")["score"].idxmax().to_numpy()  # the first on a tie
+    out = np.where(size >= 2, 0.0, probability)
+    out[best[size[best] >= 2]] = 1.0
     return out
 
 

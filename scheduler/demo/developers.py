@@ -119,9 +119,8 @@ class DeveloperStats:
     agent_errors: int = 0
     signals_late: int = 0
     """Signals of the population that would arrive after the run (not sent)."""
-    utility: float = 0.0
-    """Sum of the true utility of what the users took (population only; never sent)."""
     utility_by_version: dict[str, float] = field(default_factory=dict)
+    """Sum of the true utility of what the users took, by version (population only; never sent)."""
     judged_by_version: Counter[str] = field(default_factory=Counter)
     churned: int = 0
 
@@ -346,7 +345,6 @@ class Developers:
         taken = reaction.chosen  # what the user took into their code (none: they wrote it themselves)
         value = reaction.utility[taken] if taken is not None else 0.0
         version = versions[taken if taken is not None else 0]
-        self.stats.utility += value
         self.stats.utility_by_version[version] = self.stats.utility_by_version.get(version, 0.0) + value
         self.stats.judged_by_version[version] += 1
         self.stats.churned += reaction.churned

@@ -176,11 +176,14 @@ def build_report(
             "population": population is not None,
             "signals_late": dev_stats.signals_late,
             "churned_users": dev_stats.churned,
-            "online_true_utility": round(dev_stats.utility / max(1, sum(dev_stats.judged_by_version.values())), 4)
-            if population is not None
-            else None,
+            "online_true_utility": _mean_utility(dev_stats) if population is not None else None,
         },
     }
+
+
+def _mean_utility(dev_stats: Any) -> float:
+    """Mean true utility of every request the users judged (population only)."""
+    return round(sum(dev_stats.utility_by_version.values()) / max(1, sum(dev_stats.judged_by_version.values())), 4)
 
 
 def _online_utility(dev_stats: Any, version: str) -> float | None:

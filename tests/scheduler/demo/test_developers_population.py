@@ -83,4 +83,4 @@ def test_signals_carry_the_populations_decisions_on_the_served_ids(tmp_path: Pat
     assert {r["version"] for r in rows} == {"v0001", "v0002"}
     assert sum(devs.stats.judged_by_version.values()) == 41
     taken = [r for r in rows if r["taken"]]
-    assert devs.stats.utility == pytest.approx(sum(r["utility"] for r in taken), abs=1e-4)
+    assert sum(devs.stats.utility_by_version.values()) == pytest.approx(sum(r["utility"] for r in taken), abs=1e-4)
