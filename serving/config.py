@@ -144,6 +144,10 @@ class DeployConfig(BaseModel):
     """Largest allowed ratio of the new version's p50 latency to the current one's."""
     gate_max_acceptance_drop: float = Field(default=0.05, ge=0)
     """Largest allowed drop of the acceptance proxy (accepts over accepts plus rejects)."""
+    gate_max_truncation_rise: float = Field(default=0.1, ge=0)
+    """Largest allowed rise of the share of answers cut at the token limit (``finish_reason``
+    ``length``), also by ``gate_acceptance_z`` standard errors: every answer is an observation, so
+    degenerate output (repetition until the limit) fails a canary before users judged enough of it."""
     gate_acceptance_z: float = Field(default=1.645, ge=0)
     """A drop fails the gate only when it is also this many standard errors large (the two versions'
     judged signals as independent proportions; 1.645: one-sided 95%), so a canary judged on a

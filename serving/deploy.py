@@ -9,8 +9,9 @@ and a stage waits only for pulls not finished yet; replicas a failed rollout nev
 what they staged.
 The canary stage updates ``canary_replicas``; each following stage brings the fleet up to a
 fraction in ``stages``. After every stage the gate compares the new version's online metrics
-(error rate, p50 latency, acceptance proxy) with the current version's, once the new version
-has served ``gate_min_requests`` and users judged ``gate_min_judged`` of its sessions; a failed
+(error rate, p50 latency, share of answers cut at the token limit, acceptance proxy) with the current
+version's, once the new version has served ``gate_min_requests`` and users judged
+``gate_min_judged`` of its sessions; a failed
 gate, or an update that fails, rolls every updated replica back (by the cheapest path: the reverse
 delta when the store has it, else the old snapshot) and leaves the pool's target where it was.
 
@@ -95,13 +96,12 @@ def gate(new: dict[str, Any] | None, old: dict[str, Any] | None, config: DeployC
     """Judge a stage: the new version's online metrics against the current version's.
 
     Fails when the new version served fewer than ``gate_min_requests``, or was judged on fewer than
-    ``gate_min_judged`` sessions (when the source counts them), or its error rate rose by
-    more than ``gate_max_error_rate_delta``, or its p50 latency exceeds ``gate_max_latency_ratio``
-    times the old one, or its acceptance proxy dropped by more than ``gate_max_acceptance_drop``
-    and by at least ``gate_acceptance_z`` standard errors of the difference (compared only when both
-    versions have judged sessions; without their counts, ``judged``, the drop alone decides), and,
-    where both were judged on the same kinds of traffic, also within those kinds
-    (:func:`stratified_drop`).
+    ``gate_min_judged`` sessions (when the source counts them; :func:`health` fails it before that:
+    error rate, latency, answers cut at the token limit), or its acceptance proxy dropped by more than
+    ``gate_max_acceptance_drop`` and by at least ``gate_acceptance_z`` standard errors of the
+    difference (compared only when both versions have judged sessions; without their counts,
+    ``judged``, the drop alone decides), and, where both were judged on the same kinds of traffic,
+    also within those kinds (:func:`stratified_drop`).
     """
     if not new or new.get("requests", 0) < config.gate_min_requests:
         served = 0 if not new else new.get("requests", 0)
@@ -109,20 +109,16 @@ def gate(new: dict[str, Any] | None, old: dict[str, Any] | None, config: DeployC
             False,
             f"the new version served {served} requests, fewer than the minimum sample of {config.gate_min_requests}",
         )
+    old = old or {}
+    unhealthy = health(new, old, config)
+    if unhealthy is not None:
+        return False, unhealthy
     if not _judged_enough(new, config):
         return (
             False,
             f"the new version was judged on {_n(new)} sessions, fewer than the minimum of "
             f"{config.gate_min_judged}: nobody could judge it yet",
         )
-    old = old or {}
-    rise = new["error_rate"] - old.get("error_rate", 0.0)
-    if rise > config.gate_max_error_rate_delta:
-        return False, f"error rate rose by {rise:.3f} (limit {config.gate_max_error_rate_delta})"
-    if old.get("latency_ms_p50") and new.get("latency_ms_p50"):
-        ratio = new["latency_ms_p50"] / old["latency_ms_p50"]
-        if ratio > config.gate_max_latency_ratio:
-            return False, f"p50 latency is {ratio:.2f}x the current version's (limit {config.gate_max_latency_ratio}x)"
     if new.get("acceptance") is not None and old.get("acceptance") is not None:
         drop = old["acceptance"] - new["acceptance"]
         se = _drop_se(new, old)
@@ -138,6 +134,27 @@ def gate(new: dict[str, Any] | None, old: dict[str, Any] | None, config: DeployC
                     f"(limit {config.gate_max_acceptance_drop})"
                 )
     return True, "passed"
+
+
+def health(new: dict[str, Any], old: dict[str, Any], config: DeployConfig) -> str | None:
+    """Why the new version is unhealthy by what every request shows, no user's judgement needed (error
+    rate, p50 latency, answers cut at the token limit), or None."""
+    rise = new.get("error_rate", 0.0) - old.get("error_rate", 0.0)
+    if rise > config.gate_max_error_rate_delta:
+        return f"error rate rose by {rise:.3f} (limit {config.gate_max_error_rate_delta})"
+    if old.get("latency_ms_p50") and new.get("latency_ms_p50"):
+        ratio = new["latency_ms_p50"] / old["latency_ms_p50"]
+        if ratio > config.gate_max_latency_ratio:
+            return f"p50 latency is {ratio:.2f}x the current version's (limit {config.gate_max_latency_ratio}x)"
+    truncation = _truncation_rise(new, old)
+    if truncation is not None:
+        rise, se = truncation
+        if rise > config.gate_max_truncation_rise and rise >= config.gate_acceptance_z * se:
+            return (
+                f"answers cut at the token limit rose from {old['truncation_rate']:.3f} to "
+                f"{new['truncation_rate']:.3f} (limit +{config.gate_max_truncation_rise})"
+            )
+    return None
 
 
 def stratified_drop(new: dict[str, Any], old: dict[str, Any]) -> tuple[float, float] | None:
@@ -171,6 +188,16 @@ def _null_variance(p_new: float, n_new: int, p_old: float, n_old: int) -> float:
     on a handful of sessions does not look certain."""
     pooled = (p_new * n_new + p_old * n_old) / (n_new + n_old)
     return pooled * (1 - pooled) * (1 / n_new + 1 / n_old)
+
+
+def _truncation_rise(new: dict[str, Any], old: dict[str, Any]) -> tuple[float, float] | None:
+    """The rise of the share of answers cut at the token limit and its pooled standard error, or
+    None when either side has not answered yet (or the source does not count it)."""
+    n_new, n_old = int(new.get("answers") or 0), int(old.get("answers") or 0)
+    if n_new <= 0 or n_old <= 0 or new.get("truncation_rate") is None or old.get("truncation_rate") is None:
+        return None
+    p_new, p_old = float(new["truncation_rate"]), float(old["truncation_rate"])
+    return p_new - p_old, math.sqrt(_null_variance(p_old, n_old, p_new, n_new))
 
 
 def _n(side: dict[str, Any]) -> int:
@@ -234,8 +261,11 @@ async def _wait_gate(
             return True, "passed", {}
         snap = (await metrics()).get("versions", {})
         new, old = snap.get(new_v), snap.get(old_v)
-        sampled = new and new.get("requests", 0) >= config.gate_min_requests and _judged_enough(new, config)
-        if sampled or time.monotonic() > deadline:
+        served = bool(new) and new.get("requests", 0) >= config.gate_min_requests
+        unhealthy = health(new, old or {}, config) if served else None
+        if unhealthy is not None:  # fails now, before users judged it
+            return False, unhealthy, {"new": new, "old": old}
+        if (served and _judged_enough(new, config)) or time.monotonic() > deadline:
             ok, why = gate(new, old, config)
             return ok, why, {"new": new, "old": old}
         await asyncio.sleep(0.05)

@@ -153,6 +153,11 @@ class VersionStats:
     so the gate also compares the kinds apart (:func:`serving.deploy.stratified_drop`), each with
     the same robust mean."""
 
+    answers: int = 0
+    """Choices served (every choice of every request, streamed or whole)."""
+    truncated: int = 0
+    """Choices that ended at the token limit (``finish_reason`` ``length``): a version whose answers
+    degenerate into repetition shows it here on every request, long before any user judges it."""
     sessions: dict[str, set[str]] = field(default_factory=dict)
     """Judged session ids by kind (up to :data:`MAX_COUNTED_SESSIONS` each, then counted in
     ``sessions_over``): one session's signals (an accept and its retention at three horizons) are one
@@ -203,6 +208,8 @@ class VersionStats:
             "errors": self.errors,
             "error_rate": self.errors / self.requests if self.requests else 0.0,
             "latency_ms_p50": lat[len(lat) // 2] if lat else None,
+            "answers": self.answers,
+            "truncation_rate": self.truncated / self.answers if self.answers else None,
             "acceptance": self.acceptance(),
             "acceptance_raw": self.accepts / self.judged if self.judged else None,
             "judged": self.judged,
@@ -531,6 +538,9 @@ class Gateway:
             data["group_id"] = req.group_id
 
     def _emit(self, req: turns.Request, served: turns.Served, k: int) -> None:
+        stats = self.stats[req.version]
+        stats.answers += 1
+        stats.truncated += served.finish_reason == "length"
         session_id = req.session_id(served.index, k)
         self.trust.served(session_id, req.version, req.user, req.client)
         if req.session is not None:

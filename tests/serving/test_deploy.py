@@ -13,7 +13,7 @@ from serving_helpers import CONTROL_TOKEN
 
 from serving import fleet
 from serving.config import DeployConfig, FleetConfig, GatewayConfig
-from serving.deploy import gate, rollout, stage_sizes, stratified_drop
+from serving.deploy import gate, health, rollout, stage_sizes, stratified_drop
 from serving.gateway import Gateway, create_gateway_app, health_loop, registry_source
 from serving.launch import ServerThread
 
@@ -135,6 +135,26 @@ def test_failed_gate_rolls_back(registry, versions, three, ahead: bool) -> None:
     assert fleet.get_target(registry).version == "v0"  # type: ignore[union-attr]
 
 
+def test_degenerate_canary_rolls_back_before_anyone_judged_it(registry, versions, three) -> None:  # type: ignore[no-untyped-def]
+    # The gate drill's output (repetition to the token limit) on sparse, late user signals: nobody
+    # judged the canary yet, but every answer it gave was cut at the limit.
+    cfg = DeployConfig(canary_replicas=1, gate_min_requests=20, gate_min_judged=6, gate_max_wait_s=30.0)
+
+    async def degenerate():  # type: ignore[no-untyped-def]
+        return {
+            "versions": {
+                "v0": {"requests": 300, "error_rate": 0.0, "answers": 300, "truncation_rate": 0.05, "judged": 40},
+                "v1": {"requests": 24, "error_rate": 0.0, "answers": 24, "truncation_rate": 1.0, "judged": 0},
+            }
+        }
+
+    started = time.monotonic()
+    result = asyncio.run(rollout(registry, "v1", versions.hashes["v1"], cfg, metrics=degenerate, fleet_config=FLEET))
+    assert result.status == "rolled_back" and "token limit rose from 0.050 to 1.000" in result.message
+    assert time.monotonic() - started < cfg.gate_max_wait_s  # judged now, not at the deadline
+    assert fleet.get_target(registry).version == "v0"  # type: ignore[union-attr]
+
+
 def test_replica_killed_mid_update_is_excluded_and_a_behind_one_reconciles(registry, versions, three) -> None:  # type: ignore[no-untyped-def]
     victim = three[2]
     cfg = DeployConfig(canary_replicas=3, stages=[], gate_min_requests=1)
@@ -212,6 +232,16 @@ def test_gate_and_stages_rules() -> None:
     assert not ok and "judged on 2 sessions" in why
     assert gate({"requests": 40, "error_rate": 0.0, "acceptance": 0.6, "judged": 6}, counted, needs)[0]
     assert gate({"requests": 40, "error_rate": 0.0, "acceptance": 0.6}, old, needs)[0]
+    # answers cut at the token limit: every answer is an observation, judged or not
+    base = {"requests": 100, "error_rate": 0.0, "answers": 100, "truncation_rate": 0.05}
+    ok, why = gate({"requests": 20, "error_rate": 0.0, "answers": 20, "truncation_rate": 0.9}, base, needs)
+    assert not ok and "token limit" in why  # before the minimum of judged sessions
+    assert health({"error_rate": 0.0, "answers": 20, "truncation_rate": 0.9}, base, needs) is not None
+    # a rise within the limit, or one too small a sample shows, passes; so does a source without counts
+    assert health({"answers": 50, "truncation_rate": 0.12}, base, cfg) is None
+    assert health({"answers": 2, "truncation_rate": 0.5}, {**base, "truncation_rate": 0.3}, cfg) is None
+    assert health({"answers": 0, "truncation_rate": None}, base, cfg) is None
+    assert health({"truncation_rate": 1.0}, {"truncation_rate": 0.0}, cfg) is None
     assert stage_sizes(3, DeployConfig(canary_replicas=1, stages=[0.5, 1.0])) == [1, 2, 3]
     assert stage_sizes(1, DeployConfig()) == [1]
     assert stage_sizes(10, DeployConfig(canary_replicas=1, stages=[0.5])) == [1, 5, 10]

@@ -61,8 +61,20 @@ def test_candidates_are_tagged_and_emitted_with_experts(one_engine, broker, tmp_
         assert bad.status_code == 422 and "invalid signal" in bad.json()["error"]["message"]
         metrics = httpx.get(srv.url + "/gateway/metrics", timeout=10).json()
         assert metrics["versions"]["v0"]["requests"] == 1 and metrics["versions"]["v0"]["acceptance"] == 1.0
-    events = consume(broker.bootstrap, topic, 4)
-    sessions = [e for e in events if e["type"] == "session.completed"]
+        # every choice counts for the gate's health check; 4 tokens from a tiny model end at the limit
+        truncated = sum(c["finish_reason"] == "length" for c in body["choices"])
+        assert metrics["versions"]["v0"]["answers"] == 3
+        assert metrics["versions"]["v0"]["truncation_rate"] == pytest.approx(truncated / 3)
+        streamed = httpx.post(
+            srv.url + "/v1/completions",
+            json={"prompt": "def add", "max_tokens": 1, "stream": True, "user": "u1"},
+            timeout=60,
+        )
+        assert streamed.status_code == 200 and '"length"' in streamed.text
+        after = httpx.get(srv.url + "/gateway/metrics", timeout=10).json()["versions"]["v0"]
+        assert after["answers"] == 4 and after["truncation_rate"] == pytest.approx((truncated + 1) / 4)
+    events = consume(broker.bootstrap, topic, 5)
+    sessions = [e for e in events if e["type"] == "session.completed" and e["payload"].get("group_id")]
     assert len(sessions) == 3 and {e["payload"]["group_id"] for e in sessions} == {body["group_id"]}
     one = sessions[0]["payload"]
     assert one["policy_version"] == "v0" and one["routed_experts"] and one["prompt"]["token_ids"]
