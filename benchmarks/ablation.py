@@ -20,9 +20,10 @@ One closed loop per seed and arm, in process, on a fresh SQLite database:
     promoted yet, or ``--rm-min-new-labels`` labeled sessions newer than the promoted model's window;
     the age and drift triggers off) trains and maybe promotes a reward model
     (:func:`reward_models.train.train_reward_models`, its own promotion gate); then a
-    :class:`policy.production.ProductionSession` with ``rl_reward = "assisted"``: labels for a group
-    labeled in full, the promoted model's score for every member of any other group (one scale per
-    GRPO group);
+    :class:`policy.production.ProductionSession` with ``rl_reward = "assisted"``: every label a
+    labels-only update would train on, and the promoted model's score for every member of a group
+    nobody labeled (one scale per GRPO group); labeled units take the update's draws first and the
+    model-scored ones fill the rest (``--no-labels-first``: one shuffle over both);
   - ``labels``: the same session with ``rl_reward = "labels"``: sessions without a label wait.
 
   An update with nothing to train on (no rewarded session yet) is skipped and counted.
@@ -106,6 +107,11 @@ class AblationConfig:
     """Advantage estimator of both arms (``PolicyConfig.advantage``: grpo, reinforce, rloo)."""
     model_reward: str = "probability"
     """How the assisted arm rewards a group the reward model scores (``RewardsConfig.rl_model_reward``)."""
+    labels_first: bool = True
+    """Labeled groups take an update's draws first, model-scored ones fill the rest
+    (``RewardsConfig.rl_labels_first``)."""
+    population: tuple[tuple[str, float], ...] = ()
+    """Overrides of :class:`scheduler.demo.population.PopulationConfig` knobs (name, value)."""
     lr: float = 3e-4
     """Learning rate of the updates."""
     groups_per_step: int = 8
@@ -377,7 +383,6 @@ def run_arm(
     from policy.versions import record_version, version_id
     from reward_models.config import RewardsConfig
     from reward_models.registry import current_promoted
-    from scheduler.demo.population import Population
     from scheduler.runtime.logs import configure_logging
 
     configure_logging("WARNING")
@@ -388,10 +393,11 @@ def run_arm(
     upgrade(url)
     engine = make_engine(url)
     record_version(engine, version=version_id(0), parent=None, step=0, checkpoint_path=Path(v0_path), metrics={})
-    population = Population(seed=seed)
+    population = make_population(cfg, seed)
     rewards = RewardsConfig(
         rl_reward=arm,
         rl_model_reward=cfg.model_reward,
+        rl_labels_first=cfg.labels_first,
         retrain_min_new_labels=cfg.rm_min_new_labels,
         retrain_interval_s=10**9,
     )
@@ -434,8 +440,7 @@ def run_arm(
             row["skipped"] = True
         else:
             used = {sid: reward for batch in trainer.plan for sid, reward in batch}
-            # a labeled candidate of a group not labeled in full trains with the model's score
-            labeled = {sid for sid, reward in used.items() if sid in label_of and reward == label_of[sid]}
+            labeled = trainer.from_label & set(used)
             for sid, reward in used.items():
                 group = sid.rsplit("-", 1)[0]
                 quality.append((f"{rnd}/{group}", "label" if sid in labeled else "reward_model", reward, truth[sid]))
@@ -471,6 +476,13 @@ def run_arm(
         "groups_mixing_sources": mixed_groups(quality),
         "database": url,
     }
+
+
+def make_population(cfg: AblationConfig, seed: int) -> Any:
+    """The seed's population, with the configured knob overrides."""
+    from scheduler.demo.population import Population, PopulationConfig
+
+    return Population(PopulationConfig(**dict(cfg.population)), seed=seed)
 
 
 def evaluate_v0(v0_path: str, cfg: AblationConfig, progress: Any = None) -> dict[str, float]:
@@ -572,8 +584,6 @@ def run(cfg: AblationConfig, v0: Path | None, home: Path, keep: Path | None = No
     """The whole ablation; returns the JSON object."""
     from tqdm import tqdm
 
-    from scheduler.demo.population import Population
-
     started = time.monotonic()
     v0_source = "given" if v0 is not None else "cache"
     v0_path = v0 if v0 is not None else v0_checkpoint(home, cfg.sft_steps)
@@ -607,7 +617,7 @@ def run(cfg: AblationConfig, v0: Path | None, home: Path, keep: Path | None = No
         if keep is None:
             shutil.rmtree(workdir, ignore_errors=True)
     v0_utility = {
-        s: Population(seed=s).expected_utility(v0_rates["keep_rate"], v0_rates["pass_rate"]) for s in cfg.seeds
+        s: make_population(cfg, s).expected_utility(v0_rates["keep_rate"], v0_rates["pass_rate"]) for s in cfg.seeds
     }
     arms = {arm: _arm_summary([r for r in runs if r["arm"] == arm], v0_utility) for arm in ARMS}
     diffs = {
@@ -632,7 +642,8 @@ def run(cfg: AblationConfig, v0: Path | None, home: Path, keep: Path | None = No
             **{k: v for k, v in asdict(cfg).items() if k != "seeds"},
             "seeds": list(cfg.seeds),
             "simulated_minutes_per_round": cfg.round_minutes,
-            "population": "scheduler.demo.population.PopulationConfig() defaults",
+            "population": "scheduler.demo.population.PopulationConfig() defaults"
+            + "".join(f", {k}={v}" for k, v in cfg.population),
             "retrain_rule": "reward_models.triggers.retrain_decision: no promoted model, or >= "
             f"{cfg.rm_min_new_labels} labeled sessions newer than its window (age and drift triggers off)",
             "eval": f"{cfg.eval_per_tier} held-out tasks per tier x 3 tiers x {cfg.eval_samples} samples, "
@@ -661,6 +672,19 @@ def parse_args(argv: list[str] | None = None) -> tuple[AblationConfig, argparse.
     p.add_argument("--advantage", choices=("grpo", "reinforce", "rloo"), default=d.advantage)
     p.add_argument("--model-reward", choices=("probability", "best_of_group"), default=d.model_reward)
     p.add_argument("--groups-per-step", type=int, default=d.groups_per_step)
+    p.add_argument(
+        "--labels-first",
+        action=argparse.BooleanOptionalAction,
+        default=d.labels_first,
+        help="labeled groups take the draws first (--no-labels-first: one shuffle over both sources)",
+    )
+    p.add_argument(
+        "--population",
+        action="append",
+        default=[],
+        metavar="KNOB=VALUE",
+        help="override a PopulationConfig knob, e.g. select_rate=0.2 (repeatable)",
+    )
     p.add_argument("--sft-steps", type=int, default=d.sft_steps, help="warm-up steps of v0 (cached)")
     p.add_argument("--eval-per-tier", type=int, default=d.eval_per_tier)
     p.add_argument("--eval-samples", type=int, default=d.eval_samples)
@@ -683,6 +707,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[AblationConfig, argparse.
         lr=args.lr,
         advantage=args.advantage,
         model_reward=args.model_reward,
+        labels_first=args.labels_first,
+        population=tuple(_knob(item) for item in args.population),
         groups_per_step=args.groups_per_step,
         sft_steps=args.sft_steps,
         eval_per_tier=args.eval_per_tier,
@@ -691,6 +717,20 @@ def parse_args(argv: list[str] | None = None) -> tuple[AblationConfig, argparse.
         workers=args.workers,
     )
     return cfg, args
+
+
+def _knob(item: str) -> tuple[str, float]:
+    """``name=value`` of a numeric PopulationConfig knob (an integer knob stays an integer)."""
+    from scheduler.demo.population import PopulationConfig
+
+    name, sep, value = item.partition("=")
+    default = getattr(PopulationConfig(), name, None) if sep else None
+    if not isinstance(default, int | float):
+        raise SystemExit(f"--population expects KNOB=VALUE with a numeric PopulationConfig knob, got {item!r}")
+    try:
+        return name, type(default)(value)
+    except ValueError:
+        raise SystemExit(f"--population {name}: {value!r} is not a {type(default).__name__}") from None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,8 +11,8 @@ scheduler builds it from its settings sections and the job's :class:`TrainReques
 - **reward**: the composite label from user signals (:func:`reward_models.labels.build_labels`:
   retention, acceptance, selection, switch) where a session has one; else the promoted reward
   model's score (:func:`reward_models.api.load_scorer`) as a keep probability ``sigmoid(score)``,
-  for every member of a group that is not labeled in full (GRPO compares a group's members, so
-  their rewards share one scale);
+  for every member of a group nobody labeled (GRPO compares a group's members, so their rewards
+  share one scale; a group with some labels keeps them, its unlabeled members wait);
   sessions with neither are skipped. ``RewardsConfig.rl_reward = "labels"`` drops the second
   source: only labeled sessions are trained on (``benchmarks/ablation.py`` compares the two);
 - **trajectories**: the turns of an agent session are one trajectory (:mod:`policy.trajectories`:
@@ -22,7 +22,9 @@ scheduler builds it from its settings sections and the job's :class:`TrainReques
   client ran on one task (``turn.group``); a session alone (a tab completion, an agent session
   without a group) trains against a running per-context baseline, saved with the resume state.
   Each step takes ``groups_per_step`` units (groups or single sessions) from a plan fixed at the
-  start (a seeded shuffle), so a run preempted and resumed trains on exactly the same batches;
+  start (a seeded shuffle), so a run preempted and resumed trains on exactly the same batches.
+  Units rewarded by labels take the draws first (``RewardsConfig.rl_labels_first``); the model's
+  scores fill the rest, so an unlabeled session never displaces a labeled one;
 - **resume**: :meth:`ProductionSession.save` writes weights, optimizer, step and the plan (session
   ids with their rewards) to one file; :meth:`load` restores it;
 - **several processes**: constructed on every rank of a ``torchrun`` job, the session shards the
@@ -76,7 +78,7 @@ from policy.pipeline import train_config
 from policy.rollouts import Rollout, filter_stale, version_number
 from policy.tables import PolicyVersionRow
 from policy.trainer import make_optimizer, update_step
-from policy.trajectories import session_trajectories
+from policy.trajectories import session_trajectories, turn_of
 from policy.versions import latest_version, list_versions, record_version, version_id
 from reward_models.config import RewardsConfig
 
@@ -116,8 +118,21 @@ def session_rewards(
 ) -> dict[str, float]:
     """Reward in [0, 1] per stored session of ``[since, until)``: the composite label, else ``sigmoid``
     of the promoted reward model's score (only with ``rewards_config.rl_reward == "assisted"``), one
-    source per candidate group (labels only for a group labeled in full); sessions with neither are
-    left out."""
+    source per candidate group (the model scores only groups nobody labeled, unless
+    ``rl_score_partial_groups``); sessions with neither are left out."""
+    return rewards_with_source(engine, rewards_config, now, since=since, until=until)[0]
+
+
+def rewards_with_source(
+    engine: Engine,
+    rewards_config: RewardsConfig,
+    now: datetime | None = None,
+    *,
+    since: datetime | None = None,
+    until: datetime | None = None,
+) -> tuple[dict[str, float], set[str]]:
+    """:func:`session_rewards` and the sessions whose reward is their label (the others carry the
+    reward model's score)."""
     from reward_models.api import load_scorer
     from reward_models.data import load_sessions, load_signals
     from reward_models.labels import build_labels
@@ -125,20 +140,23 @@ def session_rewards(
 
     sessions = load_sessions(engine, since=since, until=until)
     if sessions.empty:
-        return {}
+        return {}, set()
     labels = build_labels(sessions, load_signals(engine), rewards_config, now or datetime.now(UTC)).sessions
     reward = labels["reward"]
     out = {str(k): float(v) for k, v in reward.items() if np.isfinite(v)}
-    if rewards_config.rl_reward == "labels":
-        return out
-    if current_promoted(engine) is None:
-        return out
+    if rewards_config.rl_reward == "labels" or current_promoted(engine) is None:
+        return out, set(out)
     # GRPO compares the members of a group with each other, so a group takes its rewards from one
     # source: a label of 0 next to model scores around 0.5 would rank a rejected pick below candidates
-    # nobody judged. A group labeled in full keeps its labels; any other group is scored in full.
+    # nobody judged. A group with a label keeps its labels (its unlabeled members wait, as without a
+    # model) and only groups nobody labeled are scored; with rl_score_partial_groups, every group not
+    # labeled in full is scored in full (its labels dropped).
     labeled = sessions["session_id"].astype(str).isin(list(out)).to_numpy()
     group = _reward_groups(sessions)
-    mask = group.isin(set(group[~labeled])).to_numpy()  # every member of a group with an unlabeled one
+    if rewards_config.rl_score_partial_groups:
+        mask = group.isin(set(group[~labeled])).to_numpy()  # every member of a group with an unlabeled one
+    else:
+        mask = (~group.isin(set(group[labeled]))).to_numpy()  # the groups without any label
     scored = sessions[mask]
     if not scored.empty:
         scores = np.asarray(load_scorer(engine).score(scored), dtype=np.float64)
@@ -147,7 +165,8 @@ def session_rewards(
             probability = _best_of_group(group[mask].to_numpy(), scores, probability)
         for sid, p in zip(scored["session_id"], probability, strict=True):
             out[str(sid)] = float(p)
-    return out
+    labeled_ids = set(sessions["session_id"].astype(str)[~mask])
+    return out, labeled_ids & set(out)
 
 
 def _best_of_group(keys: np.ndarray, scores: np.ndarray, probability: np.ndarray) -> np.ndarray:
@@ -171,9 +190,12 @@ def _reward_groups(sessions: Any) -> Any:
     return group.astype(str)
 
 
-def load_rollouts(engine: Engine, rewards: dict[str, float], *, max_tokens: int) -> list[Rollout]:
+def load_rollouts(
+    engine: Engine, rewards: dict[str, float], *, max_tokens: int, labeled: set[str] | None = None
+) -> tuple[list[Rollout], set[str]]:
     """Rollouts of the stored sessions that have a reward (segments loaded with the sessions); the
-    turns of an agent session are joined into one trajectory (:mod:`policy.trajectories`)."""
+    turns of an agent session are joined into one trajectory (:mod:`policy.trajectories`). Also the
+    rollouts' session ids whose every rewarded stored row is in ``labeled`` (trained on a label)."""
     from ingest.tables import SessionRow
 
     with Session(engine) as db:
@@ -188,17 +210,31 @@ def load_rollouts(engine: Engine, rewards: dict[str, float], *, max_tokens: int)
         rollouts, stats = session_trajectories(
             rows, lambda s: rewards.get(str(getattr(s, "session_id", ""))), max_tokens=max_tokens
         )
+        unlabeled: set[str] = set()
+        for row in rows:
+            if str(row.session_id) not in (labeled or set()):
+                unlabeled.add(str((turn_of(row) or {}).get("session_id") or row.session_id))
     if stats.sessions:
         log.info("production.trajectories", **vars(stats))
-    return rollouts
+    return rollouts, {str(r.session_id) for r in rollouts if r.session_id} - unlabeled
 
 
 def plan_batches(
-    rollouts: list[Rollout], steps: int, groups_per_step: int, seed: int, *, singles: bool = True
+    rollouts: list[Rollout],
+    steps: int,
+    groups_per_step: int,
+    seed: int,
+    *,
+    singles: bool = True,
+    first: set[str] | None = None,
 ) -> list[list[str]]:
     """Session ids per step: whole candidate groups (2+ sessions) and, with ``singles``, sessions
-    alone or in a group of one (trained against the running baseline), ``groups_per_step`` units a step, shuffled by
-    ``seed`` and cycled. A session's windows always travel together (one id)."""
+    alone or in a group of one (trained against the running baseline), ``groups_per_step`` units a
+    step, shuffled by ``seed`` and cycled. A session's windows always travel together (one id).
+
+    With ``first``, units whose every session is in it (rewarded by a label) come before the others
+    (scored by the reward model) in each cycle: the model's scores fill the draws the labels leave,
+    never displace a label; the steps are then shuffled, so a step mixes sources where both are there."""
     groups: dict[str, list[str]] = {}
     for r in rollouts:
         if r.session_id:
@@ -209,11 +245,18 @@ def plan_batches(
     usable = sorted(g for g, m in groups.items() if len(m) >= 2 or singles)
     if not usable:
         return []
-    random.Random(seed).shuffle(usable)
+    primary = [g for g in usable if first is None or set(groups[g]) <= first]
+    rest = [g for g in usable if g not in set(primary)]
+    rng = random.Random(seed)
+    rng.shuffle(primary)
+    rng.shuffle(rest)
+    order = primary + rest
     out = []
     for step in range(steps):
-        picked = [usable[(step * groups_per_step + i) % len(usable)] for i in range(min(groups_per_step, len(usable)))]
+        picked = [order[(step * groups_per_step + i) % len(order)] for i in range(min(groups_per_step, len(order)))]
         out.append([sid for g in picked for sid in groups[g]])
+    if primary and rest:
+        rng.shuffle(out)
     return out
 
 
@@ -244,12 +287,16 @@ class ProductionSession:
         self.opt = make_optimizer(self.model, tcfg)
         self.step_no = 0
         self.history: list[dict[str, float]] = []
-        rewards = session_rewards(self.engine, rewards_config, request.now, since=request.since, until=request.until)
-        rollouts = load_rollouts(self.engine, rewards, max_tokens=MAX_CONTEXT)
+        rewards, labeled = rewards_with_source(
+            self.engine, rewards_config, request.now, since=request.since, until=request.until
+        )
+        rollouts, from_label = load_rollouts(self.engine, rewards, max_tokens=MAX_CONTEXT, labeled=labeled)
         base_number = version_number(self.parent.version_id) or 0
         fresh, stats = filter_stale(rollouts, base_number, self.cfg.max_staleness)
         self.stale = stats
-        plan = plan_batches(fresh, tcfg.steps, request.groups_per_step, tcfg.seed)
+        self.from_label = from_label  # rollouts rewarded by their label (the others: the model's score)
+        first = from_label if rewards_config.rl_labels_first else None
+        plan = plan_batches(fresh, tcfg.steps, request.groups_per_step, tcfg.seed, first=first)
         if not plan:
             raise RuntimeError(
                 f"no rewarded session of policy {self.parent.version_id} or the {self.cfg.max_staleness} "

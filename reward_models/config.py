@@ -95,6 +95,13 @@ class RewardsConfig(BaseModel):
     """How a group scored by the reward model is rewarded: ``probability``, each member's calibrated keep
     probability; ``best_of_group``, 1 for the member the model ranks first and 0 for the others (the model
     stands in for the user's selection; a session alone keeps its probability)."""
+    rl_score_partial_groups: bool = False
+    """False: a group with some labels trains on them (its unlabeled members wait) and the model scores
+    only groups nobody labeled, so the assisted update trains on every label a labels-only one would;
+    True: any group not labeled in full is scored by the model in full (its labels dropped)."""
+    rl_labels_first: bool = True
+    """Plan an update's draws over the groups rewarded by labels first and fill the rest with groups the
+    reward model scored (False: one shuffle over both, so model-scored groups take draws from labels)."""
 
     # Robustness: how much one user can weigh (reward_models.robust)
     require_session_user: bool = True

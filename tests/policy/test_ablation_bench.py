@@ -20,7 +20,7 @@ from sqlalchemy.engine import Engine
 
 from benchmarks import ablation
 from ingest.db import make_engine, upgrade
-from policy.production import _reward_groups, session_rewards
+from policy.production import _reward_groups, rewards_with_source, session_rewards
 from reward_models.config import RewardsConfig
 from reward_models.data import load_sessions, load_signals
 from reward_models.labels import build_labels
@@ -136,19 +136,26 @@ def test_rl_reward_switch_scores_unlabeled_sessions_only_when_assisted(db: tuple
     assert set(labels_only) == {str(s) for s, v in labeled.items() if np.isfinite(v)}
     assert not fresh_ids & set(labels_only)
     assert fresh_ids <= set(assisted)
-    # a group labeled in full keeps its labels; a group with unlabeled members is scored in full, so
+    # every label a labels-only update trains on is kept; only groups nobody labeled are scored, so
     # GRPO never compares a label with a score
     frame = load_sessions(engine)
     group = dict(zip(frame["session_id"].astype(str), _reward_groups(frame), strict=True))
+    assert {s: assisted[s] for s in labels_only} == labels_only
     partial = {group[s] for s in group if s not in labels_only}
-    full = {s: v for s, v in labels_only.items() if group[s] not in partial}
-    assert full and {s: assisted[s] for s in full} == full
     mixed = [s for s in labels_only if group[s] in partial]
     assert mixed == [group_ids[1]] and labels_only[group_ids[1]] == 0.0
-    assert set(group_ids) <= set(assisted)
-    assert all(0.0 < assisted[s] < 1.0 for s in mixed)  # model scores, not the labels 0 and 1
+    assert not {s for s in group_ids if s not in labels_only} & set(assisted)  # they wait for their labels
     scores = [assisted[s] for s in fresh_ids]
     assert all(0.0 < x < 1.0 for x in scores) and len(set(scores)) > 1
+    rewards, from_label = rewards_with_source(engine, RewardsConfig(), now)
+    assert rewards == assisted and from_label == set(labels_only)
+    assert rewards_with_source(engine, RewardsConfig(rl_reward="labels"), now)[1] == set(labels_only)
+    # scoring partial groups in full instead: a group labeled in full keeps its labels, the partially
+    # labeled one is scored in full (its rejection dropped for the model's scores)
+    whole, from_label = rewards_with_source(engine, RewardsConfig(rl_score_partial_groups=True), now)
+    full = {s: v for s, v in labels_only.items() if group[s] not in partial}
+    assert full and {s: whole[s] for s in full} == full and from_label == set(full)
+    assert set(group_ids) <= set(whole) and 0.0 < whole[group_ids[1]] < 1.0
 
 
 def test_reward_quality_measures_agreement_with_the_true_utility() -> None:
@@ -182,6 +189,7 @@ def test_a_tiny_closed_loop_of_both_arms(tmp_path: Path) -> None:
     cfg = ablation.AblationConfig(
         seeds=(0,), rounds=2, groups=32, steps=2, groups_per_step=4, sft_steps=200,
         eval_per_tier=4, eval_samples=2, rm_min_new_labels=10, workers=1,
+        labels_first=False,  # 8 draws an update: with the labels first, the model would fill none
     )  # fmt: skip
     keep = tmp_path / "runs"
     out = ablation.run(cfg, None, tmp_path / "home", keep)
@@ -235,3 +243,15 @@ def test_best_of_group_rewards_the_models_pick_like_a_selection() -> None:
     assert out.tolist()[:3] == [0.0, 1.0, 0.0]  # the model's top pick wins its group
     assert out[3] == probability[3]  # a session alone keeps its calibrated probability
     assert out.tolist()[4:] == [1.0, 0.0]  # a tie goes to the first, exactly one winner per group
+
+
+def test_command_line_overrides_population_knobs_and_refuses_bad_ones() -> None:
+    cfg, _ = ablation.parse_args(["--population", "select_rate=0.2", "--population", "users=12", "--no-labels-first"])
+    assert cfg.population == (("select_rate", 0.2), ("users", 12)) and not cfg.labels_first
+    population = ablation.make_population(cfg, 0)
+    assert population.config.select_rate == 0.2 and len(population.users) == 12
+    for bad in ("select_rate", "nosuch=1", "select_rate=high", "users=1.5", "switch_targets=1"):
+        with pytest.raises(SystemExit, match="--population"):
+            ablation.parse_args(["--population", bad])
+    with pytest.raises(ValueError, match="select_rate must be in"):  # the population's own validation
+        ablation.make_population(ablation.parse_args(["--population", "select_rate=2"])[0], 0)

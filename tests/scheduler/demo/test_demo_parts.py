@@ -67,3 +67,27 @@ def test_batch_plan_trains_single_sessions_and_keeps_a_sessions_windows_together
     plan = plan_batches(rollouts, steps=4, groups_per_step=4, seed=3)
     assert all(sorted(step) == sorted(["g-0", "g-1", "g-2", "single", "lonely-0", "agent"]) for step in plan)
     assert plan_batches([_rollout(None, "a")], steps=2, groups_per_step=2, seed=0) == [["a"], ["a"]]
+
+
+def test_batch_plan_draws_labeled_groups_first_and_fills_with_scored_ones() -> None:
+    rollouts = [_rollout(f"L{g}", f"L{g}-{i}") for g in range(3) for i in range(4)]  # rewarded by labels
+    rollouts += [_rollout(f"M{g}", f"M{g}-{i}") for g in range(20) for i in range(4)]  # by the model
+    labeled = {r.session_id for r in rollouts if r.session_id and r.session_id.startswith("L")}
+    plan = plan_batches(rollouts, steps=4, groups_per_step=2, seed=5, first=labeled)
+    drawn = [sid.rsplit("-", 1)[0] for step in plan for sid in step[::4]]
+    assert len(drawn) == 8 and {g for g in drawn if g.startswith("L")} == {"L0", "L1", "L2"}
+    assert sum(g.startswith("M") for g in drawn) == 5  # the draws the labels leave
+    assert plan == plan_batches(rollouts, steps=4, groups_per_step=2, seed=5, first=labeled)
+    # without the priority one shuffle decides: the three labeled groups are rarely all drawn
+    unordered = [plan_batches(rollouts, steps=4, groups_per_step=2, seed=s) for s in range(20)]
+    missed = sum(not {"L0-0", "L1-0", "L2-0"} <= {sid for step in p for sid in step} for p in unordered)
+    assert missed > 10
+    # only labeled groups (labels-only training): exactly the plan without the priority
+    only = [r for r in rollouts if r.session_id in labeled]
+    assert plan_batches(only, steps=4, groups_per_step=2, seed=5, first=labeled) == plan_batches(
+        only, steps=4, groups_per_step=2, seed=5
+    )
+    # a group with one member scored by the model is not a labeled group
+    for seed in range(10):
+        (step,) = plan_batches(rollouts, steps=1, groups_per_step=2, seed=seed, first=labeled - {"L1-2"})
+        assert {sid.rsplit("-", 1)[0] for sid in step} == {"L0", "L2"}
