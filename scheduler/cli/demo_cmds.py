@@ -29,9 +29,10 @@ def demo(
     rps: float = typer.Option(0.6, min=0.01, help="Loop: mean request rate of the developers (wall clock)."),
     drill: bool = typer.Option(True, help="Loop: run the gate drill (a deliberately destructive update)."),
     population: bool = typer.Option(
-        False,
+        True,
+        "--population/--deterministic",
         help="Loop: users drawn from a population (different tastes; partial, noisy, late signals; churn; bad "
-        "actors), scored by their true utility; default: deterministic developers (the checker's rule).",
+        "actors), scored by their true utility (default); --deterministic: developers who follow the checker's rule.",
     ),
 ) -> None:
     """Run the demo and print what it measured (tables on the terminal, or one JSON object)."""

@@ -9,13 +9,15 @@ no update is running, the orchestrator submits the loop as one Celery chain (``c
 -> rl_update -> snapshot -> canary -> promote -> evaluate``) to the worker, which borrows a replica
 through the planner (only when the forecast of the trace's next window leaves one to lend), trains
 on production rollouts, stores the version as a delta, and deploys it through the gate. Once, after
-a version was promoted, a **gate drill** submits an update with a destructive learning rate: the
-canary's online acceptance collapses and the gate must roll it back. The updates skip the held-out
+a version was promoted, a **gate drill** submits an update with a destructive learning rate: its
+answers degenerate (repetition to the token limit) and its acceptance collapses, and the gate must
+roll it back. The updates skip the held-out
 evaluation (it costs more than their training and would hold up the next update): once the traffic
 phase is over, every version but the drill's (not meant to serve) is evaluated in parallel processes
-(:mod:`scheduler.demo.heldout`). With ``population``, the developers are drawn from
+(:mod:`scheduler.demo.heldout`). By default (``population``) the developers are drawn from
 :mod:`scheduler.demo.population` (partial, noisy, late signals) and every version is also scored by
-their true utility. At the end: a table per version (held-out keep rate = retention, held-out pass rate =
+their true utility; ``population=False`` (``--deterministic``) gives developers who follow the
+checker's rule. At the end: a table per version (held-out keep rate = retention, held-out pass rate =
 acceptance, online acceptance, reward model, rollout outcome) and one JSON object.
 """
 
@@ -77,7 +79,7 @@ class DemoOptions:
     """Share of the developers' arrivals handed to the agent (multi-turn sessions with tools)."""
     agent_group: int = 2
     """Agent sessions run in parallel on one task (a GRPO group)."""
-    population: bool = False
+    population: bool = True
     """Developers drawn from the population of users (:mod:`scheduler.demo.population`: tastes differ,
     signals are partial, noisy and late), scored by their true utility; False: the deterministic
     developers (the checker's rule)."""

@@ -42,7 +42,7 @@ def test_rl_run_trains_on_exactly_the_requested_window(
 
     saved = dict(os.environ)
     span_s = 240.0
-    opts = DemoOptions(steps_per_version=2, groups_per_step=2, gate_min_requests=3)
+    opts = DemoOptions(steps_per_version=2, groups_per_step=2, gate_min_requests=3, population=False)
     os.environ.pop("UNDERTOW_DATABASE_URL", None)
     os.environ.update(_env(tmp_path / "home", opts, 86400.0 / span_s))
     if backend == "postgres":  # the database and the Celery broker on PostgreSQL, migrated as an operator would
