@@ -234,7 +234,7 @@ def plan_batches(
 
     With ``first``, units whose every session is in it (rewarded by a label) come before the others
     (scored by the reward model) in each cycle: the model's scores fill the draws the labels leave,
-    never displace a label; the steps are then shuffled, so a step mixes sources where both are there."""
+    never displace a label; the steps are then shuffled, so the model-scored ones do not all come last."""
     groups: dict[str, list[str]] = {}
     for r in rollouts:
         if r.session_id:
