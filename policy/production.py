@@ -210,10 +210,12 @@ def load_rollouts(
         rollouts, stats = session_trajectories(
             rows, lambda s: rewards.get(str(getattr(s, "session_id", ""))), max_tokens=max_tokens
         )
-        unlabeled: set[str] = set()
-        for row in rows:
-            if str(row.session_id) not in (labeled or set()):
-                unlabeled.add(str((turn_of(row) or {}).get("session_id") or row.session_id))
+        known = labeled or set()
+        unlabeled = {
+            str((turn_of(row) or {}).get("session_id") or row.session_id)
+            for row in rows
+            if str(row.session_id) not in known
+        }
     if stats.sessions:
         log.info("production.trajectories", **vars(stats))
     return rollouts, {str(r.session_id) for r in rollouts if r.session_id} - unlabeled

@@ -176,10 +176,15 @@ def stratified_drop(new: dict[str, Any], old: dict[str, Any]) -> tuple[float, fl
     for k in common:
         a, b = kinds_new[k], kinds_old[k]
         w = (_n(a) + _n(b)) / total
-        p_new, p_old = min(max(float(a["acceptance"]), 0.0), 1.0), min(max(float(b["acceptance"]), 0.0), 1.0)
+        p_new, p_old = _unit(a["acceptance"]), _unit(b["acceptance"])
         drop += w * (p_old - p_new)
         variance += w * w * _null_variance(p_new, _n(a), p_old, _n(b))
     return drop, math.sqrt(variance)
+
+
+def _unit(rate: Any) -> float:
+    """A rate from a metrics source, clamped to [0, 1]."""
+    return min(max(float(rate), 0.0), 1.0)
 
 
 def _null_variance(p_new: float, n_new: int, p_old: float, n_old: int) -> float:
@@ -196,7 +201,7 @@ def _truncation_rise(new: dict[str, Any], old: dict[str, Any]) -> tuple[float, f
     n_new, n_old = int(new.get("answers") or 0), int(old.get("answers") or 0)
     if n_new <= 0 or n_old <= 0 or new.get("truncation_rate") is None or old.get("truncation_rate") is None:
         return None
-    p_new, p_old = float(new["truncation_rate"]), float(old["truncation_rate"])
+    p_new, p_old = _unit(new["truncation_rate"]), _unit(old["truncation_rate"])
     return p_new - p_old, math.sqrt(_null_variance(p_old, n_old, p_new, n_new))
 
 
@@ -213,7 +218,7 @@ def _drop_se(new: dict[str, Any], old: dict[str, Any]) -> float:
     n_new, n_old = _n(new), _n(old)
     if n_new <= 0 or n_old <= 0:
         return 0.0
-    p_new, p_old = min(max(float(new["acceptance"]), 0.0), 1.0), min(max(float(old["acceptance"]), 0.0), 1.0)
+    p_new, p_old = _unit(new["acceptance"]), _unit(old["acceptance"])
     return math.sqrt(_null_variance(p_new, n_new, p_old, n_old))
 
 

@@ -259,8 +259,8 @@ class Gateway:
         self.affinity: OrderedDict[str, str] = OrderedDict()
         """Agent session -> the replica that served its last turn (most recent last, bounded)."""
         self.multi_turn: OrderedDict[str, str] = OrderedDict()
-        """Agent sessions and their turns' ids, each mapped to its agent session's id."""
-        """Ids (sessions and their turns) of multi-turn agent sessions, to judge their signals apart."""
+        """Agent sessions and their turns' ids, each mapped to its agent session's id (to judge their
+        signals apart, and count a turn's signals for its session)."""
 
     async def authorize(self, authorization: str | None, scope: str) -> ClientKey | JSONResponse:
         """The client behind a request's ``Authorization`` header, or the refusal to send (401, 403, 429)."""
