@@ -110,6 +110,8 @@ class AblationConfig:
     labels_first: bool = True
     """Labeled groups take an update's draws first, model-scored ones fill the rest
     (``RewardsConfig.rl_labels_first``)."""
+    score_confidence: bool = True
+    """The reward model sees the served logprobs when it scores for RL (``RewardsConfig.rl_score_confidence``)."""
     population: tuple[tuple[str, float], ...] = ()
     """Overrides of :class:`scheduler.demo.population.PopulationConfig` knobs (name, value)."""
     lr: float = 3e-4
@@ -251,6 +253,8 @@ def _serve_round(
     """Sample the round's groups, draw a user per group and their reactions: the session events, the
     signals with their arrival times, the served outcomes' mean true utility and keep and pass rates, and
     each session's true utility (kept in this process, never stored)."""
+    import numpy as np
+
     from policy.evaluate import decode_body
     from policy.rollouts import rollouts_from_tasks, version_number
     from policy.tasks import train_tasks
@@ -271,7 +275,7 @@ def _serve_round(
     for r in rollouts:
         by_task.setdefault(int(str(r.group_id).rsplit("/", 1)[1]), []).append(r)
     sessions, signals = [], []
-    utilities, kept, passed = [], [], []
+    utilities, kept, passed, confidence = [], [], [], []
     truth: dict[str, float] = {}
     start = T0 + timedelta(seconds=rnd * cfg.round_s)
     for g, task in enumerate(tasks):
@@ -303,9 +307,15 @@ def _serve_round(
         utilities += list(reaction.utility)
         truth.update(zip(ids, reaction.utility, strict=True))
         kept += [o.kept for o in outcomes]
+        confidence += [float(np.nanmean(r.served_logprobs)) for r in members if r.served_logprobs is not None]
         passed += [o.passed for o in outcomes]
     n = max(len(utilities), 1)
-    served = {"utility": sum(utilities) / n, "keep_rate": sum(kept) / n, "pass_rate": sum(passed) / n}
+    served = {
+        "utility": sum(utilities) / n,
+        "keep_rate": sum(kept) / n,
+        "pass_rate": sum(passed) / n,
+        "mean_logprob": statistics.fmean(confidence) if confidence else float("nan"),
+    }
     return sessions, signals, served, truth
 
 
@@ -398,6 +408,7 @@ def run_arm(
         rl_reward=arm,
         rl_model_reward=cfg.model_reward,
         rl_labels_first=cfg.labels_first,
+        rl_score_confidence=cfg.score_confidence,
         retrain_min_new_labels=cfg.rm_min_new_labels,
         retrain_interval_s=10**9,
     )
@@ -558,11 +569,15 @@ def _arm_summary(runs: list[dict[str, Any]], v0_utility: dict[int, float]) -> di
             "groups": sum(int(r["groups_mixing_sources"]["groups"]) for r in runs),
             "mixed": sum(int(r["groups_mixing_sources"]["mixed"]) for r in runs),
         },
-        "served_utility_by_round": [
-            statistics.fmean(r["rounds"][i]["served"]["utility"] for r in runs) for i in range(len(runs[0]["rounds"]))
-        ],
+        "served_utility_by_round": _by_round(runs, "utility"),
+        "served_mean_logprob_by_round": _by_round(runs, "mean_logprob"),
         "runs": runs,
     }
+
+
+def _by_round(runs: list[dict[str, Any]], key: str) -> list[float]:
+    """The mean over seeds of each round's served ``key``."""
+    return [statistics.fmean(r["rounds"][i]["served"][key] for r in runs) for i in range(len(runs[0]["rounds"]))]
 
 
 def _jobs(cfg: AblationConfig, v0_path: str, workdir: str, progress: Any) -> tuple[dict[str, float], list[Any]]:
@@ -679,6 +694,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[AblationConfig, argparse.
         help="labeled groups take the draws first (--no-labels-first: one shuffle over both sources)",
     )
     p.add_argument(
+        "--score-confidence",
+        action=argparse.BooleanOptionalAction,
+        default=d.score_confidence,
+        help="the reward model sees the served logprobs when it scores sessions for RL",
+    )
+    p.add_argument(
         "--population",
         action="append",
         default=[],
@@ -708,6 +729,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[AblationConfig, argparse.
         advantage=args.advantage,
         model_reward=args.model_reward,
         labels_first=args.labels_first,
+        score_confidence=args.score_confidence,
         population=tuple(_knob(item) for item in args.population),
         groups_per_step=args.groups_per_step,
         sft_steps=args.sft_steps,

@@ -159,7 +159,8 @@ def rewards_with_source(
         mask = (~group.isin(set(group[labeled]))).to_numpy()  # the groups without any label
     scored = sessions[mask]
     if not scored.empty:
-        scores = np.asarray(load_scorer(engine).score(scored), dtype=np.float64)
+        shown = scored if rewards_config.rl_score_confidence else _without_confidence(scored)
+        scores = np.asarray(load_scorer(engine).score(shown), dtype=np.float64)
         probability = 1.0 / (1.0 + np.exp(-scores))
         if rewards_config.rl_model_reward == "best_of_group":
             probability = _best_of_group(group[mask].to_numpy(), scores, probability)
@@ -167,6 +168,13 @@ def rewards_with_source(
             out[str(sid)] = float(p)
     labeled_ids = set(sessions["session_id"].astype(str)[~mask])
     return out, labeled_ids & set(out)
+
+
+def _without_confidence(frame: Any) -> Any:
+    """``frame`` with the served-logprob summaries blanked: the reward model scores the text alone."""
+    from reward_models.data import LOGPROB_COLUMNS
+
+    return frame.assign(**{column: np.nan for column in LOGPROB_COLUMNS if column in frame})
 
 
 def _best_of_group(keys: np.ndarray, scores: np.ndarray, probability: np.ndarray) -> np.ndarray:

@@ -102,6 +102,11 @@ class RewardsConfig(BaseModel):
     rl_labels_first: bool = True
     """Plan an update's draws over the groups rewarded by labels first and fill the rest with groups the
     reward model scored (False: one shuffle over both, so model-scored groups take draws from labels)."""
+    rl_score_confidence: bool = True
+    """Let the reward model see the served logprobs (the policy's own confidence) when it scores sessions
+    for RL. False hides them (imputed, as for a session served without logprobs), so an update cannot raise
+    its reward by sharpening its own distribution; on the demo's tasks the text alone then ranks a group's
+    candidates at chance (docs/BENCHMARKS.md, the reward model's part), so they are shown by default."""
 
     # Robustness: how much one user can weigh (reward_models.robust)
     require_session_user: bool = True

@@ -44,6 +44,8 @@ SESSION_COLUMNS = [
     "logprob_std",
     "agent_group",
 ]
+LOGPROB_COLUMNS = ("mean_logprob", "logprob_min", "logprob_std")
+"""The served-logprob summaries of a session (the policy's confidence in what it answered)."""
 SIGNAL_COLUMNS = [
     "event_id",
     "type",

@@ -63,6 +63,8 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import roc_auc_score
 from sklearn.model_selection import GroupKFold
 
+from reward_models.data import LOGPROB_COLUMNS
+
 log = structlog.get_logger(__name__)
 
 PROMPT_WEIGHT = 0.5
@@ -80,7 +82,7 @@ NUMERIC = [
     "logprob_std",
     "logprob_missing",
 ]
-_LOGPROB = ["mean_logprob", "logprob_min", "logprob_std"]
+_LOGPROB = list(LOGPROB_COLUMNS)
 
 
 def as_text(values: Any, max_chars: int) -> pd.Series:

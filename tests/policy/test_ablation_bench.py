@@ -158,6 +158,48 @@ def test_rl_reward_switch_scores_unlabeled_sessions_only_when_assisted(db: tuple
     assert set(group_ids) <= set(whole) and 0.0 < whole[group_ids[1]] < 1.0
 
 
+def _sharper_twin(event: dict[str, Any]) -> dict[str, Any]:
+    """The same answer (text and tokens) served by a more confident policy, as another session."""
+    twin = json.loads(json.dumps(event))
+    twin["event_id"], twin["session_id"] = f"{event['event_id']}-twin", f"{event['session_id']}-twin"
+    for segment in twin["payload"]["segments"]:
+        if segment.get("logprobs"):
+            segment["logprobs"] = [x * 0.1 for x in segment["logprobs"]]
+    return twin
+
+
+def _logprobs(event: dict[str, Any]) -> list[float]:
+    """The token logprobs an event carries (a positive one makes the session's summary unknown)."""
+    return [x for segment in event["payload"]["segments"] for x in segment.get("logprobs") or []]
+
+
+def test_hiding_confidence_from_the_reward_model(db: tuple[str, Engine], tmp_path: Path) -> None:
+    """The promoted model scores served logprobs (they predict keeps on this data): shown (the default),
+    an answer served more confidently earns more; hidden, the text alone decides and it earns the same."""
+    from reward_models.synthetic import generate_events
+    from reward_models.train import train_reward_models
+
+    _, engine = db
+    events, _ = generate_events(500, seed=3, start=ablation.T0, span_s=3 * 86400.0)
+    _store(engine, events)
+    now = ablation.T0 + timedelta(days=5)
+    assert train_reward_models(engine, RewardsConfig(), tmp_path, now=now).promoted
+    fresh_events, _ = generate_events(30, seed=11, start=now - timedelta(hours=1), span_s=600.0, now=now)
+    fresh = [e for e in fresh_events if e["type"] == "session.completed"]
+    _store(engine, fresh + [_sharper_twin(e) for e in fresh])
+    pairs = [(e["session_id"], f"{e['session_id']}-twin") for e in fresh]
+
+    hidden = session_rewards(engine, RewardsConfig(rl_score_confidence=False), now)
+    assert all(hidden[a] == pytest.approx(hidden[b], abs=1e-12) for a, b in pairs)
+    assert len({round(hidden[a], 9) for a, _ in pairs}) > 1  # the text still ranks them
+    shown = session_rewards(engine, RewardsConfig(), now)
+    served = [(a, b) for (a, b), e in zip(pairs, fresh, strict=True) if _logprobs(e) and max(_logprobs(e)) <= 0]
+    assert served and all(shown[b] > shown[a] for a, b in served)
+    assert {s: shown[s] for s in shown if s not in dict(pairs) and not s.endswith("-twin")} == {
+        s: hidden[s] for s in hidden if s not in dict(pairs) and not s.endswith("-twin")
+    }  # labels are labels either way
+
+
 def test_reward_quality_measures_agreement_with_the_true_utility() -> None:
     records = [
         ("g1", "label", 1.0, 0.9),
