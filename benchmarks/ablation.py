@@ -116,6 +116,10 @@ class AblationConfig:
     """Overrides of :class:`scheduler.demo.population.PopulationConfig` knobs (name, value)."""
     lr: float = 3e-4
     """Learning rate of the updates."""
+    kl_coef: float = 0.0
+    """Weight of the KL to the reference policy (``PolicyConfig.kl_coef``; 0: off)."""
+    kl_reference: str = "base"
+    """The KL's reference (``PolicyConfig.kl_reference``): ``base`` (v0) or ``parent``."""
     groups_per_step: int = 8
     """Units (candidate groups, or sessions alone) per optimizer step."""
     max_tokens: int = 48
@@ -413,7 +417,9 @@ def run_arm(
         retrain_interval_s=10**9,
     )
     labels_only = rewards.model_copy(update={"rl_reward": "labels"})
-    policy = PolicyConfig(seed=seed, threads=1, advantage=cfg.advantage)
+    policy = PolicyConfig(
+        seed=seed, threads=1, advantage=cfg.advantage, kl_coef=cfg.kl_coef, kl_reference=cfg.kl_reference
+    )
     model, tokenizer = load_checkpoint(v0_path)
     version = version_id(0)
     pending = Pending()
@@ -465,6 +471,7 @@ def run_arm(
                 from_label=len(trained & labeled),
                 from_reward_model=len(trained - labeled),
                 reward_mean=result["metrics"]["reward/mean"],
+                kl=result["metrics"].get("train/kl"),
             )
             version = result["version"]
             model, tokenizer = load_checkpoint(result["checkpoint"])
@@ -684,6 +691,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[AblationConfig, argparse.
     p.add_argument("--round-minutes", type=float, default=d.round_minutes, help="simulated minutes per round")
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps per update")
     p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--kl-coef", type=float, default=d.kl_coef, help="KL to the reference policy (0: off)")
+    p.add_argument("--kl-reference", choices=("base", "parent"), default=d.kl_reference)
     p.add_argument("--advantage", choices=("grpo", "reinforce", "rloo"), default=d.advantage)
     p.add_argument("--model-reward", choices=("probability", "best_of_group"), default=d.model_reward)
     p.add_argument("--groups-per-step", type=int, default=d.groups_per_step)
@@ -726,6 +735,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[AblationConfig, argparse.
         round_minutes=args.round_minutes,
         steps=args.steps,
         lr=args.lr,
+        kl_coef=args.kl_coef,
+        kl_reference=args.kl_reference,
         advantage=args.advantage,
         model_reward=args.model_reward,
         labels_first=args.labels_first,

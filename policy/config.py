@@ -55,6 +55,12 @@ class PolicyConfig(BaseModel):
     """Advantage estimator: ``grpo``, ``reinforce`` (group mean or running baseline) or ``rloo``."""
     loss_level: str = "token"
     """Policy-gradient ratio level: ``token`` (PPO/GRPO) or ``sequence`` (GSPO)."""
+    kl_coef: float = Field(default=0.0, ge=0)
+    """Weight of the k3 KL to the reference policy in production updates (0: off; each step then also runs
+    the reference forward)."""
+    kl_reference: Literal["base", "parent"] = "base"
+    """The KL's reference: ``base``, the first recorded version (v0: it bounds the drift over many
+    updates); ``parent``, the version the update starts from (a trust region within one update)."""
     tool_feedback_weight: float = Field(default=1.0, ge=0)
     """Turn-level credit for grouped agent sessions (:mod:`policy.feedback`): a turn is credited with the
     session's reward plus this times the verdict its tools reported (1 kept, 0.2 only passed); 0: off."""

@@ -47,7 +47,7 @@ def train_config(cfg: PolicyConfig, steps: int | None = None) -> TrainConfig:
         advantage=cfg.advantage,
         replay=cfg.routing_replay,
         max_staleness=cfg.max_staleness,
-        loss=LossConfig(level=cfg.loss_level),
+        loss=LossConfig(level=cfg.loss_level, kl_coef=cfg.kl_coef),
         normalize=cfg.loss_normalize,
         feedback_weight=cfg.tool_feedback_weight,
         pack_tokens=cfg.pack_tokens,

@@ -295,6 +295,8 @@ class ProductionSession:
         if world()[1] > 1 and self.cfg.parallel == "fsdp":
             shard(self.model)
         self.opt = make_optimizer(self.model, tcfg)
+        self.reference_version: str | None = None
+        self.reference = self._reference() if tcfg.loss.kl_coef > 0 else None
         self.step_no = 0
         self.history: list[dict[str, float]] = []
         rewards, labeled = rewards_with_source(
@@ -331,6 +333,20 @@ class ProductionSession:
             raise RuntimeError("no policy version yet; train v0 first (`undertow policy warmup`)")
         return row
 
+    def _reference(self) -> Any:
+        """The frozen reference policy of the KL term (``PolicyConfig.kl_reference``), on the trainer's device."""
+        row = self.parent
+        if self.cfg.kl_reference == "base":
+            versions = list_versions(self.engine)  # oldest first
+            row = next((v for v in versions if v.parent_id is None), versions[0])
+        model, _ = load_checkpoint(row.checkpoint_path)
+        place(model, train_device(self.cfg.device))
+        model.eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        self.reference_version = row.version_id
+        return model
+
     @property
     def done(self) -> bool:
         return self.step_no >= len(self.plan)
@@ -344,7 +360,7 @@ class ProductionSession:
     def step(self) -> dict[str, float]:
         """One step on the next planned batch: GRPO over its groups, the running baseline for singles."""
         batch = self._batch(self.step_no)
-        metrics = update_step(self.model, self.opt, batch, self.tcfg, baseline=self.baseline)
+        metrics = update_step(self.model, self.opt, batch, self.tcfg, baseline=self.baseline, ref_model=self.reference)
         self.step_no += 1
         self.history.append(metrics)
         log.info("production.step", step=self.step_no, reward=round(metrics["reward/mean"], 3), rollouts=len(batch))
@@ -378,6 +394,10 @@ class ProductionSession:
         }
         if self.label:
             metrics["label"] = self.label
+        if self.reference_version is not None:
+            metrics["train/kl_reference"] = self.reference_version
+            kls = [h["loss/kl"] for h in self.history if "loss/kl" in h]
+            metrics["train/kl"] = float(np.mean(kls)) if kls else 0.0
         whole = unsharded_copy(self.model)  # rank 0 only: evaluation and the checkpoint need whole tensors
         if whole is None:
             return dict(broadcast(None))

@@ -482,6 +482,8 @@ def update_step(
     }
     if "moe/load_balance_sum" in sums:
         metrics["moe/load_balance"] = sums["moe/load_balance_sum"] / tokens
+    if "loss/kl" in sums:
+        metrics["loss/kl"] = sums["loss/kl"]  # the k3 KL to the reference, per trained token
     return metrics
 
 

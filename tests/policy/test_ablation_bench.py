@@ -10,6 +10,7 @@ import json
 import math
 import sqlite3
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -198,6 +199,61 @@ def test_hiding_confidence_from_the_reward_model(db: tuple[str, Engine], tmp_pat
     assert {s: shown[s] for s in shown if s not in dict(pairs) and not s.endswith("-twin")} == {
         s: hidden[s] for s in hidden if s not in dict(pairs) and not s.endswith("-twin")
     }  # labels are labels either way
+
+
+def _drift(model: Any, reference: Any, sequences: list[tuple[list[int], int]]) -> float:
+    """Mean absolute logprob difference of ``model`` from ``reference`` over the completion tokens."""
+    import torch
+
+    from policy.forward import forward_tokens
+
+    with torch.no_grad():
+        gaps = [
+            (forward_tokens(model, ids, prompt_len=n).logprobs - forward_tokens(reference, ids, prompt_len=n).logprobs)
+            .abs()
+            .mean()
+            for ids, n in sequences
+        ]
+    return float(torch.stack(gaps).mean())
+
+
+def test_the_kl_term_keeps_an_update_near_its_reference(db: tuple[str, Engine], tmp_path: Path) -> None:
+    """Production updates with ``kl_coef`` train against the base version's logprobs: from the same data,
+    seed and (large) learning rate, a strong KL leaves the policy far closer to v0 than none does."""
+    from policy.config import PolicyConfig
+    from policy.model import build_model, load_checkpoint, save_checkpoint
+    from policy.production import ProductionSession, TrainRequest
+    from policy.tokenizer import default_tokenizer
+    from policy.versions import record_version
+
+    url, engine = db
+    tokenizer = default_tokenizer()
+    v0 = save_checkpoint(build_model("tiny", len(tokenizer), seed=0), tokenizer, tmp_path / "v0")
+    record_version(engine, version="v0000", parent=None, step=0, checkpoint_path=v0, metrics={})
+    sequences = []
+    for tag in "abcd":
+        events, ids = _group_events(tag)
+        _store(engine, events)
+        picked = [Signal(1.0, "candidates.shown", 0, {}), Signal(20.0, "candidate.selected", 1, {})]
+        _store(engine, _signals(tag, picked, ids))
+        sequences += [([0, 5, 6, 7, 8 + i, 0], 3) for i in range(len(ids))]
+    request = TrainRequest(base_version="v0000", steps=4, lr=0.02, groups_per_step=2, eval=dict(ablation.NO_EVAL))
+    request = replace(request, now=ablation.T0 + timedelta(hours=1))
+    reference, _ = load_checkpoint(v0)
+    drift = {}
+    for kl in (0.0, 50.0):
+        session = ProductionSession(PolicyConfig(kl_coef=kl), RewardsConfig(), url, tmp_path / "home", request)
+        while not session.done:
+            session.step()
+        result = session.result()
+        assert result["version"] != "v0000" and session.step_no == 4
+        drift[kl] = _drift(session.model, reference, sequences)
+        if kl:
+            assert result["metrics"]["train/kl_reference"] == "v0000" and result["metrics"]["train/kl"] > 0
+        else:
+            assert "train/kl" not in result["metrics"]
+    assert drift[0.0] > 0.05  # the update moved the policy
+    assert drift[50.0] < 0.5 * drift[0.0]
 
 
 def test_reward_quality_measures_agreement_with_the_true_utility() -> None:
