@@ -116,6 +116,8 @@ class AblationConfig:
     """Overrides of :class:`scheduler.demo.population.PopulationConfig` knobs (name, value)."""
     lr: float = 3e-4
     """Learning rate of the updates."""
+    max_epochs: float = 0.0
+    """Passes over the rewarded groups an update takes at most (``PolicyConfig.rl_max_epochs``; 0: no cap)."""
     kl_coef: float = 0.0
     """Weight of the KL to the reference policy (``PolicyConfig.kl_coef``; 0: off)."""
     kl_reference: str = "base"
@@ -418,7 +420,12 @@ def run_arm(
     )
     labels_only = rewards.model_copy(update={"rl_reward": "labels"})
     policy = PolicyConfig(
-        seed=seed, threads=1, advantage=cfg.advantage, kl_coef=cfg.kl_coef, kl_reference=cfg.kl_reference
+        seed=seed,
+        threads=1,
+        advantage=cfg.advantage,
+        kl_coef=cfg.kl_coef,
+        kl_reference=cfg.kl_reference,
+        rl_max_epochs=cfg.max_epochs,
     )
     model, tokenizer = load_checkpoint(v0_path)
     version = version_id(0)
@@ -472,6 +479,7 @@ def run_arm(
                 from_reward_model=len(trained - labeled),
                 reward_mean=result["metrics"]["reward/mean"],
                 kl=result["metrics"].get("train/kl"),
+                steps=len(trainer.plan),
             )
             version = result["version"]
             model, tokenizer = load_checkpoint(result["checkpoint"])
@@ -691,6 +699,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[AblationConfig, argparse.
     p.add_argument("--round-minutes", type=float, default=d.round_minutes, help="simulated minutes per round")
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps per update")
     p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--max-epochs", type=float, default=d.max_epochs, help="passes over the data per update (0: no cap)")
     p.add_argument("--kl-coef", type=float, default=d.kl_coef, help="KL to the reference policy (0: off)")
     p.add_argument("--kl-reference", choices=("base", "parent"), default=d.kl_reference)
     p.add_argument("--advantage", choices=("grpo", "reinforce", "rloo"), default=d.advantage)
@@ -735,6 +744,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[AblationConfig, argparse.
         round_minutes=args.round_minutes,
         steps=args.steps,
         lr=args.lr,
+        max_epochs=args.max_epochs,
         kl_coef=args.kl_coef,
         kl_reference=args.kl_reference,
         advantage=args.advantage,

@@ -49,6 +49,9 @@ class PolicyConfig(BaseModel):
     """Optimizer steps of the supervised warm-up that produces v0."""
     rl_steps_per_version: int = Field(default=4, ge=1)
     """Optimizer steps between two policy versions."""
+    rl_max_epochs: float = Field(default=0.0, ge=0)
+    """Production updates take at most this many passes over their rewarded groups (fewer steps when data
+    is short); 0: always ``rl_steps_per_version`` steps, cycling over the data as often as that needs."""
     rl_lr: float = Field(default=3e-4, gt=0)
     """AdamW learning rate of the RL update."""
     advantage: str = "grpo"

@@ -42,6 +42,7 @@ Inputs (:class:`TrainRequest`, all optional): ``base_version`` (else the newest 
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -237,6 +238,7 @@ def plan_batches(
     *,
     singles: bool = True,
     first: set[str] | None = None,
+    max_epochs: float = 0.0,
 ) -> list[list[str]]:
     """Session ids per step: whole candidate groups (2+ sessions) and, with ``singles``, sessions
     alone or in a group of one (trained against the running baseline), ``groups_per_step`` units a
@@ -244,7 +246,10 @@ def plan_batches(
 
     With ``first``, units whose every session is in it (rewarded by a label) come before the others
     (scored by the reward model) in each cycle: the model's scores fill the draws the labels leave,
-    never displace a label; the steps are then shuffled, so the model-scored ones do not all come last."""
+    never displace a label; the steps are then shuffled, so the model-scored ones do not all come last.
+
+    With ``max_epochs`` > 0, fewer steps when the data is short: at most that many passes over the units
+    (at least one step), so a handful of rewarded groups is not drawn again and again."""
     groups: dict[str, list[str]] = {}
     for r in rollouts:
         if r.session_id:
@@ -261,6 +266,8 @@ def plan_batches(
     rng.shuffle(primary)
     rng.shuffle(rest)
     order = primary + rest
+    if max_epochs > 0:
+        steps = min(steps, max(1, math.ceil(max_epochs * len(order) / max(groups_per_step, 1))))
     out = []
     for step in range(steps):
         picked = [order[(step * groups_per_step + i) % len(order)] for i in range(min(groups_per_step, len(order)))]
@@ -308,7 +315,9 @@ class ProductionSession:
         self.stale = stats
         self.from_label = from_label  # rollouts rewarded by their label (the others: the model's score)
         first = from_label if rewards_config.rl_labels_first else None
-        plan = plan_batches(fresh, tcfg.steps, request.groups_per_step, tcfg.seed, first=first)
+        plan = plan_batches(
+            fresh, tcfg.steps, request.groups_per_step, tcfg.seed, first=first, max_epochs=self.cfg.rl_max_epochs
+        )
         if not plan:
             raise RuntimeError(
                 f"no rewarded session of policy {self.parent.version_id} or the {self.cfg.max_staleness} "

@@ -91,3 +91,18 @@ def test_batch_plan_draws_labeled_groups_first_and_fills_with_scored_ones() -> N
     for seed in range(10):
         (step,) = plan_batches(rollouts, steps=1, groups_per_step=2, seed=seed, first=labeled - {"L1-2"})
         assert {sid.rsplit("-", 1)[0] for sid in step} == {"L0", "L2"}
+
+
+def test_batch_plan_caps_the_passes_over_short_data() -> None:
+    rollouts = [_rollout(f"g{g}", f"g{g}-{i}") for g in range(5) for i in range(4)]
+    uncapped = plan_batches(rollouts, steps=8, groups_per_step=2, seed=1)
+    assert len(uncapped) == 8  # 16 draws of 5 groups: each drawn three or four times
+    capped = plan_batches(rollouts, steps=8, groups_per_step=2, seed=1, max_epochs=2)
+    assert len(capped) == 5 and capped == uncapped[:5]  # ceil(2 x 5 / 2) steps: each group twice
+    drawn = [sid.rsplit("-", 1)[0] for step in capped for sid in step[::4]]
+    assert sorted(drawn) == sorted([f"g{g}" for g in range(5)] * 2)
+    plenty = [_rollout(f"h{g}", f"h{g}-{i}") for g in range(40) for i in range(4)]
+    assert plan_batches(plenty, steps=8, groups_per_step=2, seed=1, max_epochs=2) == plan_batches(
+        plenty, steps=8, groups_per_step=2, seed=1
+    )  # enough data: the cap changes nothing
+    assert len(plan_batches([_rollout(None, "a")], steps=4, groups_per_step=8, seed=0, max_epochs=0.5)) == 1
