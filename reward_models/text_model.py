@@ -11,9 +11,7 @@ Features (:class:`TextFeatures`, fitted on the training rows only):
 - numeric columns, standardized: log lengths (characters, lines, tokens, prompt characters), whether
   the response holds a fenced code block and which share of it is code, and the served token
   logprobs' mean, min and standard deviation with a missing indicator (missing ones take the
-  training median, never a raw NaN), and the response's agreement with the other candidates of its
-  group (:mod:`reward_models.agreement`; the frame's column when it has one, computed over every
-  session before training, else computed over the frame scored). Edit statistics (``lines_added``) are left out: on the
+  training median, never a raw NaN). Edit statistics (``lines_added``) are left out: on the
   synthetic data they are a function of the label, and in production they describe what the user
   did with the answer more than the answer itself.
 
@@ -65,7 +63,6 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import roc_auc_score
 from sklearn.model_selection import GroupKFold
 
-from reward_models import agreement
 from reward_models.data import LOGPROB_COLUMNS
 
 log = structlog.get_logger(__name__)
@@ -84,7 +81,6 @@ NUMERIC = [
     "logprob_min",
     "logprob_std",
     "logprob_missing",
-    "group_agreement",
 ]
 _LOGPROB = list(LOGPROB_COLUMNS)
 
@@ -189,7 +185,6 @@ class TextFeatures:
     def __init__(self, max_chars: int = 20_000, min_df: int = 2) -> None:
         self.max_chars = max_chars
         self.min_df = min_df
-        self.agreement = True  # a model pickled before this column existed lacks the attribute: no column
         self.blocks = {
             "completion_words": TfidfBlock("word", (1, 2), min_df),
             "completion_chars": TfidfBlock("char_wb", (2, 5), min_df),
@@ -220,11 +215,9 @@ class TextFeatures:
         ).reshape(len(completion), 5)[pair]
         tokens = np.nan_to_num(_numbers(frame, "num_completion_tokens"), nan=0.0).clip(min=0.0)
         logprobs = np.column_stack([_numbers(frame, name) for name in _LOGPROB]).reshape(len(frame), 3)
-        columns = [per_pair[:, :2], np.log1p(tokens), per_pair[:, 2:], logprobs, np.isnan(logprobs[:, 0])]
-        if getattr(self, "agreement", False):
-            given = agreement.COLUMN in frame
-            columns.append(_numbers(frame, agreement.COLUMN) if given else agreement.group_agreement(frame))
-        return np.column_stack(columns).astype(np.float64)
+        return np.column_stack(
+            [per_pair[:, :2], np.log1p(tokens), per_pair[:, 2:], logprobs, np.isnan(logprobs[:, 0])]
+        ).astype(np.float64)
 
     def fit_design(self, frame: pd.DataFrame) -> Design:
         """Fit every block (and the numeric imputation) on ``frame`` and return its design."""

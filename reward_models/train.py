@@ -33,7 +33,6 @@ from sqlalchemy.engine import Engine
 
 from reward_models import evaluation as ev
 from reward_models import registry
-from reward_models.agreement import with_group_agreement
 from reward_models.config import RewardsConfig
 from reward_models.data import load_sessions, load_signals
 from reward_models.labels import LabelSet, build_labels, coverage, own_user_signals
@@ -226,7 +225,6 @@ def fit_reward_models(
     is this plus loading, the LLM judge, the comparison with the promoted version and the registry.
     """
     frame, labels, skipped = labeled_frame(sessions, signals, config, now, judge_scores=judge_scores)
-    frame = with_group_agreement(frame)  # over every session: a labeled pick's unlabeled siblings count
     has_label = frame[["retention", "acceptance", "reward"]].notna().any(axis=1)
     in_pairs = frame.index.isin(labels.pairs["chosen"]) | frame.index.isin(labels.pairs["rejected"])
     labeled = frame[has_label | in_pairs]
