@@ -26,7 +26,9 @@ One closed loop per seed and arm, in process, on a fresh SQLite database:
     model-scored ones fill the rest (``--no-labels-first``: one shuffle over both);
   - ``labels``: the same session with ``rl_reward = "labels"``: sessions without a label wait.
 
-  An update with nothing to train on (no rewarded session yet) is skipped and counted.
+  An update with nothing to train on (no rewarded session yet) is skipped and counted. Options of
+  both arms' updates: ``--kl-coef`` (KL to v0), ``--max-epochs`` (passes over the data an update takes
+  at most); of the assisted arm: ``--no-score-confidence`` (the model scores without the served logprobs).
 - **score**: v0 (once) and each arm's last version on the held-out tasks (single completions,
   ``--eval-per-tier`` tasks per tier, ``--eval-samples`` each, the evaluator's fixed seed), scored by
   :meth:`Population.expected_utility` from the keep and pass rates. Gain in points: ``100 x (final -
