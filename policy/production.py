@@ -24,7 +24,11 @@ scheduler builds it from its settings sections and the job's :class:`TrainReques
   Each step takes ``groups_per_step`` units (groups or single sessions) from a plan fixed at the
   start (a seeded shuffle), so a run preempted and resumed trains on exactly the same batches.
   Units rewarded by labels take the draws first (``RewardsConfig.rl_labels_first``); the model's
-  scores fill the rest, so an unlabeled session never displaces a labeled one;
+  scores fill the rest, so an unlabeled session never displaces a labeled one. With
+  ``PolicyConfig.rl_max_epochs`` the plan takes at most that many passes over short data (fewer
+  steps); with ``PolicyConfig.kl_coef`` each step adds the k3 KL to a frozen reference (v0, or the
+  parent: ``kl_reference``). ``RewardsConfig.rl_score_confidence = False`` hides the served logprobs
+  from the reward model when it scores;
 - **resume**: :meth:`ProductionSession.save` writes weights, optimizer, step and the plan (session
   ids with their rewards) to one file; :meth:`load` restores it;
 - **several processes**: constructed on every rank of a ``torchrun`` job, the session shards the
