@@ -60,6 +60,7 @@ import torch
 from sqlalchemy import select
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, selectinload
+from transformers import PreTrainedModel
 
 from ingest.db import make_engine
 from policy.advantages import RunningBaseline
@@ -306,8 +307,6 @@ class ProductionSession:
         if world()[1] > 1 and self.cfg.parallel == "fsdp":
             shard(self.model)
         self.opt = make_optimizer(self.model, tcfg)
-        self.reference_version: str | None = None
-        self.reference = self._reference() if tcfg.loss.kl_coef > 0 else None
         self.step_no = 0
         self.history: list[dict[str, float]] = []
         rewards, labeled = rewards_with_source(
@@ -333,6 +332,8 @@ class ProductionSession:
         # an agent session's id is not a stored row's: its reward is the one its trajectory carries
         self.plan = [[(sid, self._by_id[sid][0].reward) for sid in ids] for ids in plan]
         self.baseline = RunningBaseline()
+        self.reference_version: str | None = None  # loaded only for an update that has data to train on
+        self.reference = self._reference() if tcfg.loss.kl_coef > 0 else None
 
     def _parent(self, version: str | None) -> PolicyVersionRow:
         if version:
@@ -346,7 +347,7 @@ class ProductionSession:
             raise RuntimeError("no policy version yet; train v0 first (`undertow policy warmup`)")
         return row
 
-    def _reference(self) -> Any:
+    def _reference(self) -> PreTrainedModel:
         """The frozen reference policy of the KL term (``PolicyConfig.kl_reference``), on the trainer's device."""
         row = self.parent
         if self.cfg.kl_reference == "base":
