@@ -1,7 +1,9 @@
 """Train, evaluate, register and (maybe) promote one reward-model version from the database.
 
 Steps: load sessions and signals; drop sessions without completion text (counted); build labels
-as of ``now``; split by time (older sessions train, the newest ``holdout_fraction`` test);
+as of ``now``; split by time (older sessions train, the newest ``holdout_fraction`` test; a head
+whose label arrives late, as retention does, is held out on the newest of its own labeled sessions:
+:func:`head_split`);
 fit each head that has enough data of both classes (others are skipped with a reason); evaluate
 each head and the bundle on the hold-out next to the baselines; evaluate the promoted version on
 the *same* hold-out; register the new version, promoted only if every head beats its trivial
@@ -183,6 +185,27 @@ def pointwise_rows(frame: pd.DataFrame, name: str, config: RewardsConfig) -> tup
     return rows, (rows[name].to_numpy() >= config.positive_threshold).astype(int)
 
 
+def head_split(
+    frame: pd.DataFrame, name: str, cutoff: datetime, config: RewardsConfig
+) -> tuple[tuple[pd.DataFrame, np.ndarray], tuple[pd.DataFrame, np.ndarray], datetime]:
+    """Training and hold-out rows of pointwise head ``name``, split by time on the rows its label covers.
+
+    The head's cutoff is the earlier of the bundle's ``cutoff`` and the start of the newest
+    ``holdout_fraction`` of the head's own labeled rows. A label that arrives late has none in the
+    newest sessions: retention is final only once its longest horizon has elapsed (a day), so on a
+    window of a few days the bundle's hold-out (the newest sessions) holds no final retention label,
+    and a head evaluated there could never be judged, nor the bundle promoted. Held out on its own
+    newest labeled sessions instead, it is still tested only on sessions newer than every session it
+    trained on, and it never trains on a session of the bundle's hold-out. Returns ``(train rows,
+    labels), (hold-out rows, labels), head cutoff``.
+    """
+    rows, y = pointwise_rows(frame, name, config)
+    own = ev.time_split(rows["occurred_at"], config.holdout_fraction) if len(rows) else cutoff
+    head_cutoff = min(cutoff, own)
+    held = (rows["occurred_at"] >= head_cutoff).to_numpy()
+    return (rows[~held], y[~held]), (rows[held], y[held]), head_cutoff
+
+
 def fit_pointwise_head(rows: pd.DataFrame, y: np.ndarray, config: RewardsConfig) -> tuple[Any, dict[str, float]]:
     """One pointwise head (:func:`~reward_models.models.setup_pointwise`) on labeled rows, each user capped.
 
@@ -250,9 +273,9 @@ def fit_reward_models(
     skipped_heads: dict[str, str] = {}
     metrics: dict[str, Any] = {}
     user_caps: dict[str, dict[str, float]] = {}
+    head_cutoffs: dict[str, datetime] = {}
     for name in POINTWISE_HEADS:
-        tr, y_tr = pointwise_rows(train, name, config)
-        te, y_te = pointwise_rows(test, name, config)
+        (tr, y_tr), (te, y_te), head_cutoffs[name] = head_split(frame, name, cutoff, config)
         if len(tr) < config.min_train_rows:
             skipped_heads[name] = f"{len(tr)} labeled training sessions, need {config.min_train_rows}"
             continue
@@ -263,6 +286,7 @@ def fit_reward_models(
         head, user_caps[name] = fit_pointwise_head(tr, y_tr, config)
         logit = head.score(te.reset_index()) if len(te) else np.zeros(0)
         metrics[name] = ev.pointwise_report(y_te, logit, te["mean_logprob"].to_numpy(dtype=float), float(y_tr.mean()))
+        metrics[name]["holdout_from"] = head_cutoffs[name].isoformat()
         heads[name] = head
 
     pairs = labels.pairs[labels.pairs["chosen"].isin(frame.index) & labels.pairs["rejected"].isin(frame.index)]
@@ -307,7 +331,11 @@ def fit_reward_models(
         heads=heads, weights=weights, meta={"trained_at": now.isoformat(), "cutoff": cutoff.isoformat()}
     )
     own = own_user_signals(frame.reset_index(), signals)[0] if config.require_session_user else signals
-    bundle.privileged, metrics["privileged"], privileged_cap = _train_privileged(train, test, own, config)
+    retention_cutoff = head_cutoffs.get("retention", cutoff)
+    in_train = (frame["occurred_at"] < retention_cutoff).to_numpy()
+    bundle.privileged, metrics["privileged"], privileged_cap = _train_privileged(
+        frame[in_train], frame[~in_train], own, config
+    )
     if privileged_cap:
         user_caps["privileged"] = privileged_cap
     metrics["bundle"] = bundle_metrics(bundle, test.reset_index(), test_pairs, config.positive_threshold)

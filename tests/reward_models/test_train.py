@@ -166,3 +166,55 @@ def test_a_bundle_that_ranks_no_better_than_chance_is_never_promoted() -> None:
     assert status == registry.CANDIDATE and "chance" in reason
     status, reason = _decide(metrics(0.5 + config.min_auc_over_baseline + 0.01), heads, None, None, config)
     assert status == registry.PROMOTED and "first version" in reason
+
+
+def test_a_late_label_is_held_out_on_its_own_newest_sessions_and_the_model_can_be_promoted(
+    sqlite_engine: Engine, load_events: Any, tmp_path: Path
+) -> None:
+    """Four days of traffic, trained an hour after the last session: retention is final (its one-day
+    horizon elapsed) only for sessions older than a day, so the bundle's hold-out (the newest sessions)
+    holds none. The retention head is then tested on the newest of its own labeled sessions, all newer
+    than every session it trained on and none in the bundle's hold-out, and the model is promoted."""
+    span = 4 * 86400
+    now = START + timedelta(seconds=span + 3600)
+    events, _ = generate_events(600, seed=11, start=START, span_s=span, now=now)
+    load_events(sqlite_engine, [e for e in events if e["type"] not in ("edit.accepted", "edit.rejected")])
+    config = RewardsConfig()
+    report = train_reward_models(sqlite_engine, config, tmp_path, now=now)
+    assert report.status == registry.PROMOTED, report.reason
+
+    bundle_cutoff = datetime.fromisoformat(report.window["holdout_from"])
+    retention_cutoff = datetime.fromisoformat(report.metrics["retention"]["holdout_from"])
+    final_until = now - timedelta(seconds=max(config.retention_weights) + config.retention_grace_s)
+    assert final_until < bundle_cutoff  # no session of the bundle's hold-out has a final retention label
+    assert retention_cutoff < final_until  # its own hold-out: the newest sessions with one
+    assert report.metrics["retention"]["auc"] > report.metrics["retention"]["auc_baseline"] + 0.1
+    assert report.metrics["privileged"]["auc"] is not None
+
+
+def test_a_head_never_trains_on_the_bundles_hold_out() -> None:
+    """:func:`head_split` on a frame of labeled rows: the head's cutoff is never later than the
+    bundle's, its training rows are all older than its hold-out, and the hold-out is the newest
+    fraction of the rows that carry its label."""
+    import pandas as pd
+
+    from reward_models.train import head_split
+
+    config = RewardsConfig()
+    times = pd.date_range(START, periods=100, freq="h", tz="UTC")
+    frame = pd.DataFrame(
+        {
+            "occurred_at": times,
+            "acceptance": [float(i % 2) for i in range(100)],
+            "retention": [float(i % 3 == 0) if i < 60 else np.nan for i in range(100)],
+            "retention_final": [i < 60 for i in range(100)],
+        },
+        index=pd.Index([f"s{i}" for i in range(100)], name="session_id"),
+    )
+    cutoff = times[80].to_pydatetime()
+    (tr, _), (te, y_te), head_cutoff = head_split(frame, "retention", cutoff, config)
+    assert head_cutoff == times[48].to_pydatetime()  # the newest 20% of its 60 labeled rows
+    assert len(tr) == 48 and len(te) == 12 and set(y_te) == {0, 1}
+    assert tr["occurred_at"].max() < te["occurred_at"].min()
+    (tr, _), (te, _), head_cutoff = head_split(frame, "acceptance", cutoff, config)
+    assert head_cutoff == cutoff and len(tr) == 80 and len(te) == 20  # covered everywhere: the bundle's split
