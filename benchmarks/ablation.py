@@ -49,8 +49,13 @@ agreement) and ``groups_mixing_sources`` (trained groups where some candidates h
 others the model's score). ``--workers`` runs (seed, arm) jobs in parallel processes, one torch
 thread each.
 
-Left out: retention labels. The default twelve simulated hours never reach a session's final (one-day) retention
-horizon, so the labels are selections, accepts and rejects, and model switches; both arms alike.
+Retention: with the default twelve simulated hours no session reaches its final (one-day) retention
+horizon, so the labels are selections, accepts and rejects, and model switches; both arms alike. With
+longer rounds (``--round-minutes 360``: four simulated days) retention becomes final a day after its
+session, when the session is four or more updates old (an update trains on sessions at most
+``policy.max_staleness`` = 4 versions behind, so labels-only gets little of it), but in time for the
+reward model, which then carries it to fresh sessions (``docs/BENCHMARKS.md``, "Late
+retention").
 
 Run: ``python benchmarks/ablation.py`` (defaults: seeds 0,1,2, 16 rounds of 32 groups; ``--quick`` for a
 smoke run).
