@@ -5,6 +5,8 @@ Each area registers its commands from its own module so the entry point stays sm
 
 from __future__ import annotations
 
+import sys
+
 import typer
 
 from scheduler.cli import (
@@ -54,5 +56,13 @@ for module in (
 
 
 def main() -> None:
-    """Console-script entry point."""
-    app()
+    """Console-script entry point. A configuration that cannot be loaded is an error message and exit
+    status 2, not a traceback."""
+    try:
+        app()
+    except Exception as exc:
+        loaded = sys.modules.get("scheduler.settings")  # raised there, so loaded; not imported for --help
+        if loaded is None or not isinstance(exc, loaded.SettingsError):
+            raise
+        sys.stderr.write(f"undertow: the configuration cannot be loaded: {exc}\n")
+        raise SystemExit(2) from None

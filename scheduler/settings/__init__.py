@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import re
+import tomllib
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -130,8 +131,35 @@ def mask_urls(value: Any) -> Any:
     return value
 
 
+class SettingsError(ValueError):
+    """The configuration cannot be loaded: each bad setting, where it is set and the rule it breaks."""
+
+
+def describe_errors(exc: ValidationError) -> str:
+    """One line per invalid setting: its dotted name, the rule, its variable and its ``undertow.toml`` key
+    (never the value given: secrets are settings too)."""
+    lines = []
+    for err in exc.errors():
+        loc = [str(part) for part in err["loc"]]
+        variable = "UNDERTOW_" + "__".join(part.upper() for part in loc)
+        key = f"[{'.'.join(loc[:-1])}] {loc[-1]}" if len(loc) > 1 else loc[0] if loc else "?"
+        lines.append(f"  {'.'.join(loc) or '(settings)'}: {err['msg']} (set by {variable} or {key} in undertow.toml)")
+    return "\n".join(lines)
+
+
 def load_settings(**overrides: Any) -> Settings:
-    """Build the settings from the environment and ``undertow.toml`` (overrides win)."""
-    settings = Settings(**overrides)
+    """Build the settings from the environment and ``undertow.toml`` (overrides win).
+
+    Raises :class:`SettingsError` naming every invalid setting, or the line of ``undertow.toml``
+    that does not parse."""
+    try:
+        settings = Settings(**overrides)
+    except ValidationError as exc:
+        raise SettingsError(
+            f"{exc.error_count()} invalid setting(s):\n{describe_errors(exc)}\n"
+            "`undertow config docs` lists every setting with its type and default."
+        ) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SettingsError(f"undertow.toml in {Path.cwd()} is not valid TOML: {exc}") from None
     private_dir(settings.home)  # 0700 when created here: it holds the database, weights and the spool
     return settings

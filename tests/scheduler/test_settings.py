@@ -75,6 +75,32 @@ def test_config_show_prints_one_json_object(tmp_path: Path) -> None:
     assert data["kafka"]["topic"] == "undertow.telemetry"
 
 
+def test_a_bad_configuration_is_a_message_and_exit_2_never_a_traceback(tmp_path: Path) -> None:
+    """Every invalid setting named with its variable and toml key, its value never echoed (it may be a
+    secret); a toml file that does not parse named with where it fails; exit status 2, no traceback."""
+    env = {
+        "UNDERTOW_HOME": str(tmp_path / "h"),
+        "UNDERTOW_POLICY__KL_COEF": "s3cret-not-a-number",
+        "UNDERTOW_KAFKA__PARTITIONS": "-4",
+    }
+    out = _undertow("config", "show", cwd=tmp_path, env=env)
+    assert out.returncode == 2 and out.stdout == ""
+    assert "Traceback" not in out.stderr and "s3cret" not in out.stderr
+    assert "2 invalid setting(s)" in out.stderr
+    assert "policy.kl_coef" in out.stderr and "UNDERTOW_POLICY__KL_COEF" in out.stderr
+    assert "[kafka] partitions" in out.stderr and "config docs" in out.stderr
+
+    (tmp_path / "undertow.toml").write_text("[policy]\nkl_coef = \n")
+    out = _undertow("config", "show", cwd=tmp_path, env={"UNDERTOW_HOME": str(tmp_path / "h")})
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "undertow.toml" in out.stderr and "not valid TOML" in out.stderr and "line 2" in out.stderr
+
+    (tmp_path / "undertow.toml").write_text("[policy]\nkl_coef = 0.05\n")  # fixed: the command answers
+    out = _undertow("config", "show", cwd=tmp_path, env={"UNDERTOW_HOME": str(tmp_path / "h")})
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1])["policy"]["kl_coef"] == 0.05
+
+
 def test_embedded_database_upgrades_itself_but_postgres_asks(tmp_path: Path, db_url: str) -> None:
     """On the embedded default any command migrates; on a configured database it names the fix."""
     if db_url.startswith("sqlite"):
