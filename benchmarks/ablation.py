@@ -740,6 +740,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[AblationConfig, argparse.
     p.add_argument("--home", type=Path, default=Path(".undertow"), help="Undertow home (v0 cache)")
     p.add_argument("--keep", type=Path, default=None, help="keep the databases and checkpoints in this directory")
     p.add_argument("--quick", action="store_true", help="a tiny smoke run (1 seed, 2 rounds, small sizes)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (always printed; `make bench` passes it)")
     args = p.parse_args(argv)
     if args.quick:
         return QUICK, args
