@@ -339,6 +339,8 @@ def reward_quality(records: list[tuple[str, str, float, float]]) -> dict[str, di
     reward tie), which is what a group-relative advantage uses."""
     import numpy as np
 
+    from benchmarks.rm_features import pairwise_accuracy
+
     out: dict[str, dict[str, float | int | None]] = {}
     for source in ("label", "reward_model"):
         rows = [r for r in records if r[1] == source]
@@ -347,22 +349,12 @@ def reward_quality(records: list[tuple[str, str, float, float]]) -> dict[str, di
         pearson = None
         if len(rows) > 2 and rewards.std() > 0 and utils.std() > 0:
             pearson = float(np.corrcoef(rewards, utils)[0, 1])
-        groups: dict[str, list[tuple[float, float]]] = {}
-        for group, _, reward, utility in rows:
-            groups.setdefault(group, []).append((reward, utility))
-        agree, pairs = 0.0, 0
-        for members in groups.values():
-            for i, (ri, ui) in enumerate(members):
-                for rj, uj in members[i + 1 :]:
-                    if ui == uj:
-                        continue
-                    pairs += 1
-                    agree += 0.5 if ri == rj else float((ri - rj) * (ui - uj) > 0)
+        agreement, pairs = pairwise_accuracy([r[0] for r in rows], utils.tolist(), rewards.tolist())
         out[source] = {
             "sessions": len(rows),
             "pearson": pearson,
             "pairs": pairs,
-            "pairwise_agreement": agree / pairs if pairs else None,
+            "pairwise_agreement": agreement if pairs else None,
         }
     return out
 
