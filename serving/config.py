@@ -146,8 +146,13 @@ class DeployConfig(BaseModel):
     """Largest allowed drop of the acceptance proxy (accepts over accepts plus rejects)."""
     gate_max_truncation_rise: float = Field(default=0.1, ge=0)
     """Largest allowed rise of the share of answers cut at the token limit (``finish_reason``
-    ``length``), also by ``gate_acceptance_z`` standard errors: every answer is an observation, so
-    degenerate output (repetition until the limit) fails a canary before users judged enough of it."""
+    ``length``), also significant by Fisher's exact test at the level of ``gate_acceptance_z``
+    (one-sided): every answer is an observation, so degenerate output (repetition until the limit)
+    fails a canary before users judged enough of it."""
+    gate_interim_alpha: float = Field(default=0.001, gt=0, lt=1)
+    """While a stage waits for its users' signals the health checks look again after every answer; a
+    look fails the stage only at this one-sided p-value (a Haybittle-Peto boundary), the stage's
+    decision at the gate's own level, so watching does not multiply false rollbacks."""
     gate_acceptance_z: float = Field(default=1.645, ge=0)
     """A drop fails the gate only when it is also this many standard errors large (the two versions'
     judged signals as independent proportions; 1.645: one-sided 95%), so a canary judged on a

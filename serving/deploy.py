@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import statistics
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -136,9 +137,14 @@ def gate(new: dict[str, Any] | None, old: dict[str, Any] | None, config: DeployC
     return True, "passed"
 
 
-def health(new: dict[str, Any], old: dict[str, Any], config: DeployConfig) -> str | None:
+def health(new: dict[str, Any], old: dict[str, Any], config: DeployConfig, *, final: bool = True) -> str | None:
     """Why the new version is unhealthy by what every request shows, no user's judgement needed (error
-    rate, p50 latency, answers cut at the token limit), or None."""
+    rate, p50 latency, answers cut at the token limit), or None.
+
+    ``final``: the stage's decision, tested at the gate's level (``gate_acceptance_z``, one-sided);
+    otherwise one of the many looks taken while a stage waits for its users' signals, which fails it
+    only on overwhelming evidence (``gate_interim_alpha``): a Haybittle-Peto boundary, so that looking
+    after every answer does not multiply the false alarms of a single test."""
     rise = new.get("error_rate", 0.0) - old.get("error_rate", 0.0)
     if rise > config.gate_max_error_rate_delta:
         return f"error rate rose by {rise:.3f} (limit {config.gate_max_error_rate_delta})"
@@ -148,8 +154,9 @@ def health(new: dict[str, Any], old: dict[str, Any], config: DeployConfig) -> st
             return f"p50 latency is {ratio:.2f}x the current version's (limit {config.gate_max_latency_ratio}x)"
     truncation = _truncation_rise(new, old)
     if truncation is not None:
-        rise, se = truncation
-        if rise > config.gate_max_truncation_rise and rise >= config.gate_acceptance_z * se:
+        rise, p_value = truncation
+        alpha = rise_alpha(config, final=final)
+        if rise > config.gate_max_truncation_rise and (alpha is None or p_value <= alpha):
             return (
                 f"answers cut at the token limit rose from {old['truncation_rate']:.3f} to "
                 f"{new['truncation_rate']:.3f} (limit +{config.gate_max_truncation_rise})"
@@ -195,14 +202,37 @@ def _null_variance(p_new: float, n_new: int, p_old: float, n_old: int) -> float:
     return pooled * (1 - pooled) * (1 / n_new + 1 / n_old)
 
 
+def rise_alpha(config: DeployConfig, *, final: bool) -> float | None:
+    """The one-sided p-value at or under which a rise counts: the gate's own level
+    (``gate_acceptance_z``) for a stage's decision, ``gate_interim_alpha`` for the looks before it;
+    None when ``gate_acceptance_z`` is 0 (the rise alone decides)."""
+    if config.gate_acceptance_z <= 0:
+        return None
+    level = 1.0 - statistics.NormalDist().cdf(config.gate_acceptance_z)
+    return level if final else min(level, config.gate_interim_alpha)
+
+
+def rise_p_value(k_new: int, n_new: int, k_old: int, n_old: int) -> float:
+    """One-sided p-value that the new version's rate (``k_new`` of ``n_new``) is no higher than the old
+    one's (``k_old`` of ``n_old``): Fisher's exact test. Cut answers are rare and a canary's sample is
+    small, where the normal approximation of a two-proportion test calls three of sixteen against a
+    3% baseline a 3.4-sigma event (it is a 1-in-65 one)."""
+    from scipy.stats import fisher_exact
+
+    table = [[k_new, n_new - k_new], [k_old, n_old - k_old]]
+    return float(fisher_exact(table, alternative="greater").pvalue)
+
+
 def _truncation_rise(new: dict[str, Any], old: dict[str, Any]) -> tuple[float, float] | None:
-    """The rise of the share of answers cut at the token limit and its pooled standard error, or
-    None when either side has not answered yet (or the source does not count it)."""
+    """The rise of the share of answers cut at the token limit and its one-sided exact p-value
+    (:func:`rise_p_value` on the answer counts), or None when either side has not answered yet (or the
+    source does not count it)."""
     n_new, n_old = int(new.get("answers") or 0), int(old.get("answers") or 0)
     if n_new <= 0 or n_old <= 0 or new.get("truncation_rate") is None or old.get("truncation_rate") is None:
         return None
     p_new, p_old = _unit(new["truncation_rate"]), _unit(old["truncation_rate"])
-    return p_new - p_old, math.sqrt(_null_variance(p_old, n_old, p_new, n_new))
+    k_new, k_old = round(p_new * n_new), round(p_old * n_old)
+    return p_new - p_old, rise_p_value(k_new, n_new, k_old, n_old)
 
 
 def _n(side: dict[str, Any]) -> int:
@@ -267,8 +297,8 @@ async def _wait_gate(
         snap = (await metrics()).get("versions", {})
         new, old = snap.get(new_v), snap.get(old_v)
         served = bool(new) and new.get("requests", 0) >= config.gate_min_requests
-        unhealthy = health(new, old or {}, config) if served else None
-        if unhealthy is not None:  # fails now, before users judged it
+        unhealthy = health(new, old or {}, config, final=False) if served else None
+        if unhealthy is not None:  # fails now, before users judged it (on overwhelming evidence only)
             return False, unhealthy, {"new": new, "old": old}
         if (served and _judged_enough(new, config)) or time.monotonic() > deadline:
             ok, why = gate(new, old, config)
