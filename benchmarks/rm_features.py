@@ -76,7 +76,9 @@ def candidates(model: Any, tokenizer: Any, tasks: list[Any], k: int, seed: int) 
     """``k`` checked samples per task with the features every input needs (hidden states pooled here)."""
     import torch
 
+    from ingest.arrays import pack_floats
     from policy.rollouts import rollouts_from_tasks
+    from reward_models.data import logprob_stats
 
     by_id = {t.task_id: t for t in tasks}
     rollouts = rollouts_from_tasks(
@@ -88,7 +90,7 @@ def candidates(model: Any, tokenizer: Any, tasks: list[Any], k: int, seed: int) 
             hidden = model(torch.tensor([r.prompt_ids + r.completion_ids]), output_hidden_states=True).hidden_states
         start = len(r.prompt_ids) - 1  # the positions that predict the answer's tokens
         middle, last = hidden[len(hidden) // 2][0, start:], hidden[-1][0, start:]
-        lp = np.asarray(r.served_logprobs, dtype=np.float64)
+        lp_mean, lp_min, lp_std = logprob_stats([pack_floats(r.served_logprobs)])  # as the reward model reads them
         task = by_id[str(r.context)]
         out.append(
             {
@@ -98,9 +100,9 @@ def candidates(model: Any, tokenizer: Any, tasks: list[Any], k: int, seed: int) 
                 "passed": int(r.info["passed"]),
                 "kept": int(r.info["kept"]),
                 "hidden": torch.cat([middle.mean(0), last.mean(0)]).numpy().astype(np.float64),
-                "mean_logprob": float(np.nanmean(lp)),
-                "logprob_min": float(np.nanmin(lp)),
-                "logprob_std": float(np.nanstd(lp)),
+                "mean_logprob": lp_mean,
+                "logprob_min": lp_min,
+                "logprob_std": lp_std,
                 "tokens": len(r.completion_ids),
                 "prompt_text": task.prompt,
                 "completion_text": tokenizer.decode(r.completion_ids, skip_special_tokens=True),
