@@ -26,7 +26,6 @@ which sessions win, and ``weight`` 0 turns the credit off (``policy.tool_feedbac
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 
 import numpy as np
@@ -34,27 +33,16 @@ import numpy as np
 from policy.advantages import compute_advantages
 from policy.checker import CheckResult
 from policy.rollouts import Rollout, task_reward
-
-MAX_REPORT_CHARS = 4096
-"""A tool result longer than this is not read as a verdict (a test log, a file)."""
+from reward_models.verdicts import TOOL_PREFIX, parse_report
 
 
 def verdict_score(text: str) -> float | None:
-    """The task reward of one tool result when it is a verdict report, else None."""
-    text = text.strip()
-    if not text.startswith("{") or len(text) > MAX_REPORT_CHARS:
+    """The task reward of one tool result when it is a verdict report (:func:`reward_models.verdicts.parse_report`),
+    else None."""
+    verdict = parse_report(text)
+    if verdict is None:
         return None
-    try:
-        report = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(report, dict) or not isinstance(report.get("passed"), bool):
-        return None
-    passed = report["passed"]
-    kept = report.get("kept", passed)
-    if not isinstance(kept, bool):
-        return None
-    return task_reward(CheckResult(passed=passed, tests_passed=0, size=0, kept=passed and kept))
+    return task_reward(CheckResult(passed=verdict.passed, tests_passed=0, size=0, kept=verdict.kept))
 
 
 def tool_feedback(prompt_text: str | None) -> float | None:
@@ -69,7 +57,7 @@ def tool_feedback(prompt_text: str | None) -> float | None:
     scores = [
         score
         for line in lines[last + 1 :]
-        if line.startswith("tool: ") and (score := verdict_score(line[len("tool: ") :])) is not None
+        if line.startswith(TOOL_PREFIX) and (score := verdict_score(line[len(TOOL_PREFIX) :])) is not None
     ]
     return max(scores) if scores else None
 

@@ -11,7 +11,10 @@ Features (:class:`TextFeatures`, fitted on the training rows only):
 - numeric columns, standardized: log lengths (characters, lines, tokens, prompt characters), whether
   the response holds a fenced code block and which share of it is code, and the served token
   logprobs' mean, min and standard deviation with a missing indicator (missing ones take the
-  training median, never a raw NaN). Edit statistics (``lines_added``) are left out: on the
+  training median, never a raw NaN), and the execution feedback in the request: whether the newest
+  tool verdict report in it (:func:`reward_models.verdicts.last_report`: an agent's ``run_tests``
+  answer) passed and was kept, with an indicator for none. A model fitted before those three columns
+  existed is scored without them. Edit statistics (``lines_added``) are left out: on the
   synthetic data they are a function of the label, and in production they describe what the user
   did with the answer more than the answer itself.
 
@@ -64,6 +67,7 @@ from sklearn.metrics import roc_auc_score
 from sklearn.model_selection import GroupKFold
 
 from reward_models.data import LOGPROB_COLUMNS
+from reward_models.verdicts import last_report
 
 log = structlog.get_logger(__name__)
 
@@ -81,6 +85,9 @@ NUMERIC = [
     "logprob_min",
     "logprob_std",
     "logprob_missing",
+    "tool_passed",
+    "tool_kept",
+    "tool_verdict_missing",
 ]
 _LOGPROB = list(LOGPROB_COLUMNS)
 
@@ -107,6 +114,20 @@ def _column(frame: pd.DataFrame, name: str) -> pd.Series:
 def _numbers(frame: pd.DataFrame, name: str) -> np.ndarray:
     values = pd.to_numeric(_column(frame, name), errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
     return np.where(np.isfinite(values), values, np.nan)
+
+
+def verdict_columns(frame: pd.DataFrame) -> np.ndarray:
+    """Per row: whether the newest verdict report in the prompt passed, was kept, and whether there is
+    none (:func:`reward_models.verdicts.last_report`; read from the whole prompt, not the cut one)."""
+    codes, uniques = pd.factorize(_column(frame, "prompt_text").reset_index(drop=True), use_na_sentinel=True)
+    per_text = np.zeros((len(uniques) + 1, 3))
+    per_text[-1, 2] = 1.0  # code -1: no prompt
+    for i, text in enumerate(uniques):
+        if isinstance(text, bytes | bytearray):
+            text = bytes(text).decode("utf-8", errors="replace")
+        verdict = last_report(text) if isinstance(text, str) else None
+        per_text[i] = (0.0, 0.0, 1.0) if verdict is None else (float(verdict.passed), float(verdict.kept), 0.0)
+    return per_text[codes]
 
 
 def _code_share(text: str) -> float:
@@ -215,9 +236,8 @@ class TextFeatures:
         ).reshape(len(completion), 5)[pair]
         tokens = np.nan_to_num(_numbers(frame, "num_completion_tokens"), nan=0.0).clip(min=0.0)
         logprobs = np.column_stack([_numbers(frame, name) for name in _LOGPROB]).reshape(len(frame), 3)
-        return np.column_stack(
-            [per_pair[:, :2], np.log1p(tokens), per_pair[:, 2:], logprobs, np.isnan(logprobs[:, 0])]
-        ).astype(np.float64)
+        columns = [per_pair[:, :2], np.log1p(tokens), per_pair[:, 2:], logprobs, np.isnan(logprobs[:, 0])]
+        return np.column_stack([*columns, verdict_columns(frame)]).astype(np.float64)
 
     def fit_design(self, frame: pd.DataFrame) -> Design:
         """Fit every block (and the numeric imputation) on ``frame`` and return its design."""
@@ -237,7 +257,7 @@ class TextFeatures:
     def design(self, frame: pd.DataFrame) -> Design:
         """The design of ``frame`` with the fitted terms and imputation."""
         pair, completion, prompt, _ = self._pairs(frame)
-        numeric = self._numeric(frame, pair, completion, prompt)
+        numeric = self._numeric(frame, pair, completion, prompt)[:, : len(self.fill_)]
         text = sp.hstack(
             [
                 self.blocks["completion_words"].transform(completion),

@@ -139,7 +139,9 @@ class DeployConfig(BaseModel):
     gate_max_wait_s: float = Field(default=60.0, gt=0)
     """How long a stage waits for its minimum sample; not reaching it fails the gate."""
     gate_max_error_rate_delta: float = Field(default=0.02, ge=0)
-    """Largest allowed rise of the error rate of the new version over the current one."""
+    """Largest allowed rise of the error rate of the new version over the current one, also significant
+    by Fisher's exact test on the request counts (where the metrics source counts them) at the level
+    of ``gate_acceptance_z`` (one-sided)."""
     gate_max_latency_ratio: float = Field(default=1.5, gt=0)
     """Largest allowed ratio of the new version's p50 latency to the current one's."""
     gate_max_acceptance_drop: float = Field(default=0.05, ge=0)

@@ -139,23 +139,29 @@ def gate(new: dict[str, Any] | None, old: dict[str, Any] | None, config: DeployC
 
 def health(new: dict[str, Any], old: dict[str, Any], config: DeployConfig, *, final: bool = True) -> str | None:
     """Why the new version is unhealthy by what every request shows, no user's judgement needed (error
-    rate, p50 latency, answers cut at the token limit), or None.
+    rate, p50 latency, answers cut at the token limit), or None. A rise of the error rate or of the cut
+    answers counts when it is over its limit and, where the source counts requests and answers,
+    significant (Fisher's exact test, :func:`rise_p_value`): one failed request among a canary's
+    first sixteen is not a broken version.
 
     ``final``: the stage's decision, tested at the gate's level (``gate_acceptance_z``, one-sided);
     otherwise one of the many looks taken while a stage waits for its users' signals, which fails it
     only on overwhelming evidence (``gate_interim_alpha``): a Haybittle-Peto boundary, so that looking
     after every answer does not multiply the false alarms of a single test."""
-    rise = new.get("error_rate", 0.0) - old.get("error_rate", 0.0)
-    if rise > config.gate_max_error_rate_delta:
+    alpha = rise_alpha(config, final=final)
+    errors = _rate_rise(new, old, "error_rate", "requests")
+    if errors is None:  # a source that does not count requests: the rise alone
+        errors = (new.get("error_rate", 0.0) - old.get("error_rate", 0.0), 0.0)
+    rise, p_value = errors
+    if rise > config.gate_max_error_rate_delta and (alpha is None or p_value <= alpha):
         return f"error rate rose by {rise:.3f} (limit {config.gate_max_error_rate_delta})"
     if old.get("latency_ms_p50") and new.get("latency_ms_p50"):
         ratio = new["latency_ms_p50"] / old["latency_ms_p50"]
         if ratio > config.gate_max_latency_ratio:
             return f"p50 latency is {ratio:.2f}x the current version's (limit {config.gate_max_latency_ratio}x)"
-    truncation = _truncation_rise(new, old)
+    truncation = _rate_rise(new, old, "truncation_rate", "answers")
     if truncation is not None:
         rise, p_value = truncation
-        alpha = rise_alpha(config, final=final)
         if rise > config.gate_max_truncation_rise and (alpha is None or p_value <= alpha):
             return (
                 f"answers cut at the token limit rose from {old['truncation_rate']:.3f} to "
@@ -223,14 +229,14 @@ def rise_p_value(k_new: int, n_new: int, k_old: int, n_old: int) -> float:
     return float(fisher_exact(table, alternative="greater").pvalue)
 
 
-def _truncation_rise(new: dict[str, Any], old: dict[str, Any]) -> tuple[float, float] | None:
-    """The rise of the share of answers cut at the token limit and its one-sided exact p-value
-    (:func:`rise_p_value` on the answer counts), or None when either side has not answered yet (or the
-    source does not count it)."""
-    n_new, n_old = int(new.get("answers") or 0), int(old.get("answers") or 0)
-    if n_new <= 0 or n_old <= 0 or new.get("truncation_rate") is None or old.get("truncation_rate") is None:
+def _rate_rise(new: dict[str, Any], old: dict[str, Any], rate: str, count: str) -> tuple[float, float] | None:
+    """The rise of a per-request rate (errors per request, answers cut at the token limit per answer)
+    and its one-sided exact p-value (:func:`rise_p_value` on the counts), or None when either side has
+    not counted any yet (or the source does not count them)."""
+    n_new, n_old = int(new.get(count) or 0), int(old.get(count) or 0)
+    if n_new <= 0 or n_old <= 0 or new.get(rate) is None or old.get(rate) is None:
         return None
-    p_new, p_old = _unit(new["truncation_rate"]), _unit(old["truncation_rate"])
+    p_new, p_old = _unit(new[rate]), _unit(old[rate])
     k_new, k_old = round(p_new * n_new), round(p_old * n_old)
     return p_new - p_old, rise_p_value(k_new, n_new, k_old, n_old)
 

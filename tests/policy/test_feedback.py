@@ -10,8 +10,9 @@ import pytest
 
 from policy.agent import verdict_report
 from policy.checker import CheckResult
-from policy.feedback import MAX_REPORT_CHARS, tool_feedback, turn_advantages, verdict_score
+from policy.feedback import tool_feedback, turn_advantages, verdict_score
 from policy.rollouts import Rollout
+from reward_models.verdicts import MAX_REPORT_CHARS
 
 KEPT = verdict_report(CheckResult(passed=True, tests_passed=6, size=20, kept=True, reason="passed", tests=6))
 PASSED = verdict_report(CheckResult(passed=True, tests_passed=6, size=90, kept=False, reason="body too long", tests=6))

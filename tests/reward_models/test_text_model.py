@@ -177,3 +177,71 @@ def test_term_cap_keeps_the_most_frequent_terms() -> None:
     matrix = block.fit_transform(texts, np.ones(len(texts)))
     assert set(block.vocabulary_) == {"a", "b"} or set(block.vocabulary_) == {"a", "d"}  # df: a 4, b 2, d 2, c 1
     assert matrix.shape == (len(texts), 2) and block.transform(np.array(["c c c"], dtype=object)).nnz == 0
+
+
+def _agent_turns(n: int, seed: int) -> tuple[pd.DataFrame, np.ndarray, np.ndarray]:
+    """Agent turns whose outcome follows the newest verdict in their conversation, not any verdict.
+
+    Every conversation holds two or three tool verdicts drawn at random, so its words say nothing
+    about which came last; the answer's text is random filler. Returns the frame, the labels and
+    each row's newest verdict (0 failed, 1 passed, 2 kept).
+    """
+    rng = np.random.default_rng(seed)
+    reports = [
+        '{"passed": false, "kept": false, "tests": 6}',
+        '{"passed": true, "kept": false, "tests": 6}',
+        '{"passed": true, "kept": true, "tests": 6}',
+    ]
+    newest = rng.integers(0, 3, n)
+    prompts, texts = [], []
+    for last in newest:
+        earlier = list(rng.integers(0, 3, int(rng.integers(1, 3))))
+        lines = ["system: Coding agent.", "user: Write the body of f."]
+        for verdict in [*earlier, last]:
+            lines += ["assistant calls run_tests(...)", "tool: " + reports[verdict]]
+        prompts.append("\n".join(lines))
+        texts.append("assistant calls submit() " + " ".join(rng.choice(FILLER, 8)))
+    y = (rng.random(n) < np.array([0.1, 0.5, 0.9])[newest]).astype(int)
+    frame = pd.DataFrame(
+        {
+            "session_id": [f"a{seed}-{i}" for i in range(n)],
+            "user_id": [f"u{seed}-{i % 40}" for i in range(n)],
+            "prompt_text": prompts,
+            "completion_text": texts,
+            "num_completion_tokens": 12,
+        }
+    )
+    return frame, y, newest
+
+
+def test_the_newest_tool_verdict_in_the_conversation_is_read() -> None:
+    train, y_train, _ = _agent_turns(1200, seed=11)
+    test, y_test, newest = _agent_turns(600, seed=12)
+    scores = TextRewardModel().fit(train, y_train).score(test)
+    means = [scores[newest == v].mean() for v in range(3)]
+    assert means[0] < means[1] < means[2], means
+    truth = np.array([0.1, 0.5, 0.9])[newest]
+    assert (ev.auc(y_test, scores) or 0.0) > (ev.auc(y_test, truth) or 1.0) - 0.03
+
+    # Without the verdict columns (the words of the conversation alone), the newest is not known.
+    def words(frame: pd.DataFrame) -> pd.DataFrame:
+        return frame.assign(prompt_text=frame["prompt_text"].str.replace("tool: ", "tool "))
+
+    blind = TextRewardModel().fit(words(train), y_train).score(words(test))
+    assert (ev.auc(y_test, blind) or 0.0) < (ev.auc(y_test, scores) or 0.0) - 0.1
+
+
+def test_a_model_fitted_before_the_verdict_columns_still_scores() -> None:
+    frame, y, _ = sessions(600, seed=13)
+    model = TextRewardModel().fit(frame, y)
+    before = model.score(frame)
+    # What a model pickled before the three verdict columns joined holds: ten numeric columns.
+    old = pickle.loads(pickle.dumps(model))
+    old.features.fill_, old.mean_, old.std_ = old.features.fill_[:10], old.mean_[:10], old.std_[:10]
+    assert old.combiner_ is not None
+    old.combiner_.coef_ = old.combiner_.coef_[:, :11]
+    old.combiner_.n_features_in_ = 11
+    after = old.score(frame.assign(prompt_text="tool: " + '{"passed": true}'))
+    assert after.shape == before.shape and np.all(np.isfinite(after))
+    # Without a verdict in any prompt, the new columns are constant: the old model scores the same.
+    assert np.allclose(old.score(frame), before, atol=1e-6)

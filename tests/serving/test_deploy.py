@@ -389,3 +389,39 @@ def test_a_canary_that_served_more_agent_sessions_is_not_rolled_back_for_its_mix
     assert not gate(only_new_kind, old_single, cfg)[0]
     drop, se = stratified_drop(worse, old)  # type: ignore[misc]
     assert drop == pytest.approx((140 * 0.35 + 244 * 0.45) / 384) and se > 0
+
+
+def test_one_failed_request_among_a_canarys_first_is_not_a_broken_version() -> None:
+    """The error rate is tested like the cut answers: one failed request among a canary's first 16
+    against none of 400 (a 6-point rise, over the 2-point limit) is a 1-in-26 event, not overwhelming at
+    a look; one of 40 when the stage is decided is not significant at the gate's level (a 1-in-11
+    event), five of 16 fail the stage at the first look. A source that does not count requests is
+    judged on the rise alone, as before."""
+    cfg = DeployConfig(gate_min_requests=16)
+    current = {"requests": 400, "errors": 0, "error_rate": 0.0}
+    one = {"requests": 16, "errors": 1, "error_rate": 1 / 16}
+    assert health(one, current, cfg, final=False) is None
+    later = {"requests": 40, "errors": 1, "error_rate": 1 / 40}
+    assert health(later, current, DeployConfig(gate_max_error_rate_delta=0.02), final=True) is None
+    assert gate(later, current, cfg)[0]
+    five = {"requests": 16, "errors": 5, "error_rate": 5 / 16}
+    why = health(five, current, cfg, final=False)
+    assert why is not None and "error rate" in why
+    assert not gate(five, current, cfg)[0]
+    assert health({"error_rate": 1 / 16}, {"error_rate": 0.0}, cfg) is not None  # no counts: the rise alone
+    assert health(one, current, DeployConfig(gate_acceptance_z=0.0), final=False) is not None  # z 0: the rise alone
+    # A healthy canary of a version that fails 2% of its requests, looked at after every request from
+    # the 16th to the 80th: rarely rolled back now (every look once was a coin toss of one error).
+    import random
+
+    rolled = 0
+    for seed in range(300):
+        rng = random.Random(seed)
+        base = {"requests": 500, "error_rate": 0.02}
+        errors = 0
+        for n in range(1, 81):
+            errors += rng.random() < 0.02
+            if n >= 16 and health({"requests": n, "error_rate": errors / n}, base, cfg, final=n == 80) is not None:
+                rolled += 1
+                break
+    assert rolled / 300 <= 0.05, rolled
