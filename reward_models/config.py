@@ -152,7 +152,15 @@ class RewardsConfig(BaseModel):
     promote_min_delta: float = 0.0
     """A candidate is promoted only if its primary metric beats the current version's by more than this."""
     min_auc_over_baseline: float = 0.02
-    """A candidate must beat the trivial baseline by this much on every head to be promotable."""
+    """A candidate must beat the trivial baseline by this much on every head to be promotable (a head
+    whose hold-out is too small to tell is not judged: ``head_check_min_evidence``)."""
+    head_check_min_evidence: int = Field(default=20, ge=0)
+    """Fewest hold-out observations a head's check against its trivial baseline needs to refuse a
+    version: selection pairs for the pairwise head, labels of the rarer class for a pointwise head.
+    On fewer the head's metric is noise (4 pairs: a standard error of 0.25), so the head is left
+    unjudged (said in the reason) and the bundle's own checks decide: over chance, and better than
+    the current version on the same hold-out. A hold-out without both classes still refuses. 0: every
+    head is judged whatever its hold-out."""
 
     # Triggers and guards
     retrain_min_new_labels: int = Field(default=500, ge=1)

@@ -449,10 +449,12 @@ def train_reward_models(
 def _decide(
     metrics: dict[str, Any], heads: dict[str, Any], current: Any, current_primary: float | None, config: RewardsConfig
 ) -> tuple[str, str]:
-    """Promotion gate: finite scores, every head over its trivial baseline, and better than the current version."""
+    """Promotion gate: finite scores, every head over its trivial baseline (where its hold-out is large
+    enough to tell, :func:`head_evidence`), and better than the current version."""
     bundle = metrics["bundle"]
     if not bundle["finite"]:
         return registry.CANDIDATE, "scores are not finite on the hold-out"
+    unjudged = []
     for name in heads:
         m = metrics[name]
         value, base = (
@@ -461,10 +463,35 @@ def _decide(
         if value is None or base is None:
             return registry.CANDIDATE, f"{name}: hold-out metric undefined (too few hold-out labels of both classes)"
         if value < base + config.min_auc_over_baseline:
+            evidence = head_evidence(name, m)
+            if evidence is not None and evidence < config.head_check_min_evidence:
+                unjudged.append(f"{name} on {evidence}")
+                continue
             return (
                 registry.CANDIDATE,
                 f"{name}: {value:.3f} does not beat the trivial baseline {base:.3f} by {config.min_auc_over_baseline}",
             )
+    status, reason = _decide_bundle(bundle, current, current_primary, config)
+    if unjudged:
+        reason += f" (not judged, too small a hold-out: {', '.join(unjudged)})"
+    return status, reason
+
+
+def head_evidence(name: str, m: dict[str, Any]) -> int | None:
+    """How many hold-out observations a head's metric rests on: selection pairs, or labels of the rarer
+    class for a pointwise head (what an AUC's error depends on); None when the metrics do not say."""
+    if name == "selection":
+        return None if m.get("pairs") is None else int(m["pairs"])
+    n, rate = m.get("n"), m.get("positive_rate")
+    if n is None or rate is None:
+        return None
+    return round(min(float(rate), 1.0 - float(rate)) * int(n))
+
+
+def _decide_bundle(
+    bundle: dict[str, Any], current: Any, current_primary: float | None, config: RewardsConfig
+) -> tuple[str, str]:
+    """The bundle's part of the gate: a primary metric over chance, and better than the current version's."""
     if bundle["primary"] is None:
         return registry.CANDIDATE, "no hold-out metric for the bundle"
     # the bundle's score is what RL trains on: each head over its baseline is not enough when their

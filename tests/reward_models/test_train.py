@@ -168,6 +168,42 @@ def test_a_bundle_that_ranks_no_better_than_chance_is_never_promoted() -> None:
     assert status == registry.PROMOTED and "first version" in reason
 
 
+def test_a_head_refuses_a_version_only_on_a_hold_out_large_enough_to_tell() -> None:
+    """The demo's selection head was checked on 4 to 15 hold-out pairs and refused three of four
+    versions (0.125 on 4 pairs, 0.500 on 6) whose acceptance head ranked its hold-out perfectly. A head
+    under its baseline on fewer observations than ``head_check_min_evidence`` is left unjudged, and the
+    bundle's checks decide; on enough it still refuses, and a bundle under chance is still refused."""
+    from reward_models.train import _decide
+
+    heads = {"acceptance": object(), "selection": object()}
+    config = RewardsConfig()
+
+    def metrics(pairwise: float, pairs: int, auc: float = 0.95, n: int = 60, rate: float = 0.4, primary: float = 0.8):
+        return {
+            "bundle": {"finite": True, "primary": primary},
+            "acceptance": {"auc": auc, "auc_baseline": 0.5, "n": n, "positive_rate": rate},
+            "selection": {"pairwise_acc": pairwise, "pairwise_acc_baseline": 0.5, "pairs": pairs},
+        }
+
+    status, reason = _decide(metrics(0.125, 4), heads, None, None, config)
+    assert status == registry.PROMOTED and "not judged" in reason and "selection on 4" in reason, reason
+    status, reason = _decide(metrics(0.40, 40), heads, None, None, config)
+    assert status == registry.CANDIDATE and "selection: 0.400 does not beat the trivial baseline" in reason
+    # a pointwise head's evidence is its rarer class: 3 positives of 30 cannot tell, 60 of 200 can
+    assert _decide(metrics(0.8, 40, auc=0.45, n=30, rate=0.1), heads, None, None, config)[0] == registry.PROMOTED
+    status, reason = _decide(metrics(0.8, 40, auc=0.45, n=200, rate=0.3), heads, None, None, config)
+    assert status == registry.CANDIDATE and "acceptance" in reason
+    # the bundle's own checks still decide: under chance, or no better than the current version
+    status, reason = _decide(metrics(0.125, 4, primary=0.49), heads, None, None, config)
+    assert status == registry.CANDIDATE and "chance" in reason
+    current = type("Current", (), {"version": "rm-0001"})()
+    status, reason = _decide(metrics(0.125, 4, primary=0.8), heads, current, 0.9, config)
+    assert status == registry.CANDIDATE and "does not beat rm-0001" in reason
+    # 0: every head judged whatever its hold-out (the rule before)
+    strict = RewardsConfig(head_check_min_evidence=0)
+    assert _decide(metrics(0.125, 4), heads, None, None, strict)[0] == registry.CANDIDATE
+
+
 def test_a_late_label_is_held_out_on_its_own_newest_sessions_and_the_model_can_be_promoted(
     sqlite_engine: Engine, load_events: Any, tmp_path: Path
 ) -> None:
