@@ -100,6 +100,14 @@ def parse_tool_calls(text: str) -> Reply:
     )
 
 
+def malformed_tool_call(content: str | None) -> bool:
+    """Whether an answer tried to call a tool and wrote what no parser could read: the tool-call markup
+    left in its content (:func:`parse_tool_calls` leaves a block that is not a JSON object with a
+    ``name`` there, as vLLM's tool parsers do). A policy gone wrong (the gate drill's destructive
+    update) opens calls it cannot finish on every other turn; a healthy one almost never."""
+    return bool(content) and TOOL_CALL_START in str(content)
+
+
 def forced_reply(prefix: str, generated: str, name: str) -> Reply:
     """The reply when the engine opened the call: parsed if the model closed it properly, else the
     generated text, up to the closing tag, as the arguments of a call to ``name``."""

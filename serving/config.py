@@ -151,6 +151,10 @@ class DeployConfig(BaseModel):
     ``length``), also significant by Fisher's exact test at the level of ``gate_acceptance_z``
     (one-sided): every answer is an observation, so degenerate output (repetition until the limit)
     fails a canary before users judged enough of it."""
+    gate_max_malformed_tool_rise: float = Field(default=0.1, ge=0)
+    """Largest allowed rise of the share of answers with a tool call no parser could read (the markup
+    left in the content), also significant by Fisher's exact test like the cut answers: a broken policy
+    can stop early with garbage instead of repeating to the limit, and its agent turns show it."""
     gate_interim_alpha: float = Field(default=0.001, gt=0, lt=1)
     """While a stage waits for its users' signals the health checks look again after every answer; a
     look fails the stage only at this one-sided p-value (a Haybittle-Peto boundary), the stage's

@@ -139,10 +139,10 @@ def gate(new: dict[str, Any] | None, old: dict[str, Any] | None, config: DeployC
 
 def health(new: dict[str, Any], old: dict[str, Any], config: DeployConfig, *, final: bool = True) -> str | None:
     """Why the new version is unhealthy by what every request shows, no user's judgement needed (error
-    rate, p50 latency, answers cut at the token limit), or None. A rise of the error rate or of the cut
-    answers counts when it is over its limit and, where the source counts requests and answers,
-    significant (Fisher's exact test, :func:`rise_p_value`): one failed request among a canary's
-    first sixteen is not a broken version.
+    rate, p50 latency, answers cut at the token limit, answers with a malformed tool call), or None. A
+    rise of the error rate, the cut answers or the malformed calls counts when it is over its limit and,
+    where the source counts requests and answers, significant (Fisher's exact test,
+    :func:`rise_p_value`): one failed request among a canary's first sixteen is not a broken version.
 
     ``final``: the stage's decision, tested at the gate's level (``gate_acceptance_z``, one-sided);
     otherwise one of the many looks taken while a stage waits for its users' signals, which fails it
@@ -159,14 +159,15 @@ def health(new: dict[str, Any], old: dict[str, Any], config: DeployConfig, *, fi
         ratio = new["latency_ms_p50"] / old["latency_ms_p50"]
         if ratio > config.gate_max_latency_ratio:
             return f"p50 latency is {ratio:.2f}x the current version's (limit {config.gate_max_latency_ratio}x)"
-    truncation = _rate_rise(new, old, "truncation_rate", "answers")
-    if truncation is not None:
-        rise, p_value = truncation
-        if rise > config.gate_max_truncation_rise and (alpha is None or p_value <= alpha):
-            return (
-                f"answers cut at the token limit rose from {old['truncation_rate']:.3f} to "
-                f"{new['truncation_rate']:.3f} (limit +{config.gate_max_truncation_rise})"
-            )
+    for rate, limit, what in (
+        ("truncation_rate", config.gate_max_truncation_rise, "answers cut at the token limit"),
+        ("malformed_tool_call_rate", config.gate_max_malformed_tool_rise, "answers with a malformed tool call"),
+    ):
+        found = _rate_rise(new, old, rate, "answers")
+        if found is not None:
+            rise, p_value = found
+            if rise > limit and (alpha is None or p_value <= alpha):
+                return f"{what} rose from {old[rate]:.3f} to {new[rate]:.3f} (limit +{limit})"
     return None
 
 

@@ -63,6 +63,7 @@ from sqlalchemy.engine import Engine
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from serving import relay, turns
+from serving.chat import malformed_tool_call
 from serving.client import EngineClient, EngineError, error_message
 from serving.config import FleetConfig, GatewayConfig
 from serving.engine import openai_error, validation_message
@@ -158,6 +159,9 @@ class VersionStats:
     truncated: int = 0
     """Choices that ended at the token limit (``finish_reason`` ``length``): a version whose answers
     degenerate into repetition shows it here on every request, long before any user judges it."""
+    malformed_tool_calls: int = 0
+    """Chat answers with a tool call no parser could read (:func:`serving.chat.malformed_tool_call`):
+    like the cut answers, a broken version shows it on every turn before any user judges it."""
     sessions: dict[str, set[str]] = field(default_factory=dict)
     """Judged session ids by kind (up to :data:`MAX_COUNTED_SESSIONS` each, then counted in
     ``sessions_over``): one session's signals (an accept and its retention at three horizons) are one
@@ -210,6 +214,7 @@ class VersionStats:
             "latency_ms_p50": lat[len(lat) // 2] if lat else None,
             "answers": self.answers,
             "truncation_rate": self.truncated / self.answers if self.answers else None,
+            "malformed_tool_call_rate": self.malformed_tool_calls / self.answers if self.answers else None,
             "acceptance": self.acceptance(),
             "acceptance_raw": self.accepts / self.judged if self.judged else None,
             "judged": self.judged,
@@ -541,6 +546,7 @@ class Gateway:
         stats = self.stats[req.version]
         stats.answers += 1
         stats.truncated += served.finish_reason == "length"
+        stats.malformed_tool_calls += req.messages is not None and malformed_tool_call(served.text)
         session_id = req.session_id(served.index, k)
         self.trust.served(session_id, req.version, req.user, req.client)
         if req.session is not None:

@@ -425,3 +425,37 @@ def test_one_failed_request_among_a_canarys_first_is_not_a_broken_version() -> N
                 rolled += 1
                 break
     assert rolled / 300 <= 0.05, rolled
+
+
+def test_a_canary_whose_tool_calls_break_fails_before_any_user_judges_it() -> None:
+    """A demo's gate drill once stopped early with garbage instead of repeating to the token limit: no
+    answer cut, latency halved, 0 of 6 judged sessions accepted against 28% of 23 (1.5 standard
+    errors, not enough), and it was promoted. Its agent turns opened tool calls no parser could read
+    (128 of 236 answers, against 3 of 190 for the version before): that fails its first look now; a
+    healthy canary's rare broken call does not, and a source that does not count them is judged as
+    before."""
+    cfg = DeployConfig(gate_min_requests=16, gate_min_judged=6)
+    current = {
+        "requests": 157,
+        "error_rate": 0.0,
+        "answers": 190,
+        "truncation_rate": 0.01,
+        "malformed_tool_call_rate": 3 / 190,
+    }
+    current.update(acceptance=0.28, judged_sessions=23, judged=30)
+    drill = {
+        "requests": 16,
+        "error_rate": 0.0,
+        "answers": 16,
+        "truncation_rate": 0.0,
+        "malformed_tool_call_rate": 8 / 16,
+    }
+    why = health(drill, current, cfg, final=False)
+    assert why is not None and "malformed tool call" in why, why
+    ok, why = gate({**drill, "acceptance": 0.0, "judged_sessions": 6, "judged": 6}, current, cfg)
+    assert not ok and "malformed tool call" in why
+    healthy = {**drill, "malformed_tool_call_rate": 1 / 16}
+    assert health(healthy, current, cfg, final=False) is None
+    assert health(healthy, current, cfg, final=True) is None
+    unknown = {k: v for k, v in drill.items() if k != "malformed_tool_call_rate"}
+    assert health(unknown, current, cfg, final=False) is None

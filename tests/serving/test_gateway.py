@@ -140,3 +140,50 @@ def test_malformed_or_oversized_requests_get_4xx(one_engine, tmp_path, payload, 
         assert sig.status_code == 400
         sig = httpx.post(srv.url + "/v1/signals", content=b"[]", timeout=10)
         assert sig.status_code == 400
+
+
+def test_malformed_tool_calls_are_counted_per_version() -> None:
+    """An engine whose answers open a tool call they cannot finish (the markup left in the content, as
+    vLLM's parser leaves it): the gateway counts those answers for the gate's health check, whole and
+    streamed, and a well-formed call or plain text does not count."""
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    from policy.chat_template import TOOL_CALL_END, TOOL_CALL_START
+
+    broken = f'{TOOL_CALL_START}:\\ "{TOOL_CALL_START} arguments": +code{TOOL_CALL_END}'
+    good_call = {"id": "c1", "type": "function", "function": {"name": "submit", "arguments": "{}"}}
+    replies = iter([(broken, []), ("def f(x): return x", []), (None, [good_call]), (broken, [])])
+    engine = FastAPI()
+
+    @engine.post("/v1/chat/completions")
+    async def chat(body: dict) -> object:  # type: ignore[type-arg]
+        content, calls = next(replies)
+        message = {"role": "assistant", "content": content, "tool_calls": calls}
+        if not body.get("stream"):
+            choice = {"index": 0, "message": message, "finish_reason": "tool_calls" if calls else "stop"}
+            return {"id": "x", "object": "chat.completion", "model": "m", "choices": [choice]}
+
+        def chunks():  # type: ignore[no-untyped-def]
+            delta = {"role": "assistant", "content": content}
+            yield "data: " + json.dumps({"id": "x", "choices": [{"index": 0, "delta": delta}]}) + "\n\n"
+            end = {"id": "x", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+            yield "data: " + json.dumps(end) + "\n\n" + "data: [DONE]\n\n"
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    with ServerThread(engine) as fake:
+        gw = Gateway(static_replicas([fake.url], "v1"), None, GatewayConfig(), "undertow-policy")
+        with ServerThread(create_gateway_app(gw)) as srv:
+            messages = [{"role": "user", "content": "write f"}]
+            for stream in (False, False, False, True):
+                resp = httpx.post(
+                    srv.url + "/v1/chat/completions",
+                    json={"messages": messages, "max_tokens": 8, "stream": stream, "user": "u1"},
+                    timeout=30,
+                )
+                assert resp.status_code == 200, resp.text
+                if not stream:
+                    resp.json()  # whole answers are JSON
+            stats = httpx.get(srv.url + "/gateway/metrics", timeout=10).json()["versions"]["v1"]
+    assert stats["answers"] == 4 and stats["malformed_tool_call_rate"] == pytest.approx(2 / 4)
