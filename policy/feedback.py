@@ -33,15 +33,17 @@ import numpy as np
 from policy.advantages import compute_advantages
 from policy.checker import CheckResult
 from policy.rollouts import Rollout, task_reward
-from reward_models.verdicts import TOOL_PREFIX, parse_report
+from reward_models.verdicts import Verdict, parse_report, tool_reports
 
 
 def verdict_score(text: str) -> float | None:
     """The task reward of one tool result when it is a verdict report (:func:`reward_models.verdicts.parse_report`),
     else None."""
     verdict = parse_report(text)
-    if verdict is None:
-        return None
+    return None if verdict is None else _reward(verdict)
+
+
+def _reward(verdict: Verdict) -> float:
     return task_reward(CheckResult(passed=verdict.passed, tests_passed=0, size=0, kept=verdict.kept))
 
 
@@ -54,11 +56,7 @@ def tool_feedback(prompt_text: str | None) -> float | None:
     last = max((i for i, line in enumerate(lines) if line.startswith("assistant")), default=None)
     if last is None:
         return None
-    scores = [
-        score
-        for line in lines[last + 1 :]
-        if line.startswith(TOOL_PREFIX) and (score := verdict_score(line[len(TOOL_PREFIX) :])) is not None
-    ]
+    scores = [_reward(verdict) for i, verdict in tool_reports(prompt_text) if i > last]
     return max(scores) if scores else None
 
 
