@@ -51,6 +51,7 @@ training it may not (``benchmarks/rewards.py`` measures both).
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -122,10 +123,8 @@ def verdict_columns(frame: pd.DataFrame) -> np.ndarray:
     codes, uniques = pd.factorize(_column(frame, "prompt_text").reset_index(drop=True), use_na_sentinel=True)
     per_text = np.zeros((len(uniques) + 1, 3))
     per_text[-1, 2] = 1.0  # code -1: no prompt
-    for i, text in enumerate(uniques):
-        if isinstance(text, bytes | bytearray):
-            text = bytes(text).decode("utf-8", errors="replace")
-        verdict = last_report(text) if isinstance(text, str) else None
+    for i, text in enumerate(as_text(uniques, sys.maxsize)):
+        verdict = last_report(text)
         per_text[i] = (0.0, 0.0, 1.0) if verdict is None else (float(verdict.passed), float(verdict.kept), 0.0)
     return per_text[codes]
 

@@ -54,22 +54,21 @@ def parse_report(text: str) -> Verdict | None:
     return Verdict(passed, passed and kept)
 
 
+def _line_verdict(line: str) -> Verdict | None:
+    """The verdict of one line of a stored conversation when it is a tool result that is a verdict report."""
+    return parse_report(line[len(TOOL_PREFIX) :]) if line.startswith(TOOL_PREFIX) else None
+
+
 def tool_reports(prompt_text: str | None) -> list[tuple[int, Verdict]]:
     """Every verdict report of a stored conversation text with its line number, oldest first."""
     if not prompt_text or TOOL_PREFIX not in prompt_text:
         return []
-    out = []
-    for i, line in enumerate(prompt_text.split("\n")):
-        if line.startswith(TOOL_PREFIX) and (verdict := parse_report(line[len(TOOL_PREFIX) :])) is not None:
-            out.append((i, verdict))
-    return out
+    lines = enumerate(prompt_text.split("\n"))
+    return [(i, verdict) for i, line in lines if (verdict := _line_verdict(line)) is not None]
 
 
 def last_report(prompt_text: str | None) -> Verdict | None:
-    """The newest verdict report of a stored conversation text, if any."""
+    """The newest verdict report of a stored conversation text, if any (read from the end)."""
     if not prompt_text or TOOL_PREFIX not in prompt_text:
         return None
-    for line in reversed(prompt_text.split("\n")):
-        if line.startswith(TOOL_PREFIX) and (verdict := parse_report(line[len(TOOL_PREFIX) :])) is not None:
-            return verdict
-    return None
+    return next((v for line in reversed(prompt_text.split("\n")) if (v := _line_verdict(line)) is not None), None)
