@@ -460,10 +460,15 @@ def _decide(
         value, base = (
             (m["pairwise_acc"], m["pairwise_acc_baseline"]) if name == "selection" else (m["auc"], m["auc_baseline"])
         )
+        evidence = head_evidence(name, m)
         if value is None or base is None:
+            # a hold-out with one class only (or no pair) is the smallest evidence there is: unjudged like
+            # a small one; a head with nothing held out at all (or metrics that do not say) still refuses
+            if evidence is not None and _held_out(name, m) > 0 and evidence < config.head_check_min_evidence:
+                unjudged.append(f"{name} on {evidence}, undefined")
+                continue
             return registry.CANDIDATE, f"{name}: hold-out metric undefined (too few hold-out labels of both classes)"
         if value < base + config.min_auc_over_baseline:
-            evidence = head_evidence(name, m)
             if evidence is not None and evidence < config.head_check_min_evidence:
                 unjudged.append(f"{name} on {evidence}")
                 continue
@@ -475,6 +480,11 @@ def _decide(
     if unjudged:
         reason += f" (not judged, too small a hold-out: {', '.join(unjudged)})"
     return status, reason
+
+
+def _held_out(name: str, m: dict[str, Any]) -> int:
+    """Hold-out observations of a head whatever their classes: selection pairs, or labeled sessions."""
+    return int(m.get("pairs" if name == "selection" else "n") or 0)
 
 
 def head_evidence(name: str, m: dict[str, Any]) -> int | None:

@@ -202,6 +202,16 @@ def test_a_head_refuses_a_version_only_on_a_hold_out_large_enough_to_tell() -> N
     # 0: every head judged whatever its hold-out (the rule before)
     strict = RewardsConfig(head_check_min_evidence=0)
     assert _decide(metrics(0.125, 4), heads, None, None, strict)[0] == registry.CANDIDATE
+    # a small hold-out of one class (the demo's second model: 12 accepts, no reject) has no AUC: left
+    # unjudged like any small one; on a hold-out of nothing, or under the strict rule, it still refuses
+    one_class = metrics(0.8, 40, auc=None, n=12, rate=1.0)  # type: ignore[arg-type]
+    status, reason = _decide(one_class, heads, None, None, config)
+    assert status == registry.PROMOTED and "acceptance on 0, undefined" in reason, reason
+    assert _decide(one_class, heads, None, None, strict)[0] == registry.CANDIDATE
+    status, reason = _decide(metrics(0.8, 40, auc=None, n=0, rate=None), heads, None, None, config)  # type: ignore[arg-type]
+    assert status == registry.CANDIDATE and "acceptance: hold-out metric undefined" in reason
+    status, reason = _decide(metrics(None, 0), heads, None, None, config)  # type: ignore[arg-type]
+    assert status == registry.CANDIDATE and "selection: hold-out metric undefined" in reason
 
 
 def test_a_late_label_is_held_out_on_its_own_newest_sessions_and_the_model_can_be_promoted(
