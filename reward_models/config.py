@@ -159,8 +159,8 @@ class RewardsConfig(BaseModel):
     version: selection pairs for the pairwise head, labels of the rarer class for a pointwise head.
     On fewer the head's metric is noise (4 pairs: a standard error of 0.25), so the head is left
     unjudged (said in the reason) and the bundle's own checks decide: over chance, and better than
-    the current version on the same hold-out. A hold-out without both classes still refuses. 0: every
-    head is judged whatever its hold-out."""
+    the current version on the same hold-out. So is a small hold-out of one class (0 of the rarer,
+    no AUC); a head with nothing held out still refuses. 0: every head is judged whatever its hold-out."""
 
     # Triggers and guards
     retrain_min_new_labels: int = Field(default=500, ge=1)
