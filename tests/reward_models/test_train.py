@@ -178,7 +178,14 @@ def test_a_head_refuses_a_version_only_on_a_hold_out_large_enough_to_tell() -> N
     heads = {"acceptance": object(), "selection": object()}
     config = RewardsConfig()
 
-    def metrics(pairwise: float, pairs: int, auc: float = 0.95, n: int = 60, rate: float = 0.4, primary: float = 0.8):
+    def metrics(
+        pairwise: float | None,
+        pairs: int,
+        auc: float | None = 0.95,
+        n: int = 60,
+        rate: float | None = 0.4,
+        primary: float = 0.8,
+    ):
         return {
             "bundle": {"finite": True, "primary": primary},
             "acceptance": {"auc": auc, "auc_baseline": 0.5, "n": n, "positive_rate": rate},
@@ -204,13 +211,13 @@ def test_a_head_refuses_a_version_only_on_a_hold_out_large_enough_to_tell() -> N
     assert _decide(metrics(0.125, 4), heads, None, None, strict)[0] == registry.CANDIDATE
     # a small hold-out of one class (the demo's second model: 12 accepts, no reject) has no AUC: left
     # unjudged like any small one; on a hold-out of nothing, or under the strict rule, it still refuses
-    one_class = metrics(0.8, 40, auc=None, n=12, rate=1.0)  # type: ignore[arg-type]
+    one_class = metrics(0.8, 40, auc=None, n=12, rate=1.0)
     status, reason = _decide(one_class, heads, None, None, config)
     assert status == registry.PROMOTED and "acceptance on 0, undefined" in reason, reason
     assert _decide(one_class, heads, None, None, strict)[0] == registry.CANDIDATE
-    status, reason = _decide(metrics(0.8, 40, auc=None, n=0, rate=None), heads, None, None, config)  # type: ignore[arg-type]
+    status, reason = _decide(metrics(0.8, 40, auc=None, n=0, rate=None), heads, None, None, config)
     assert status == registry.CANDIDATE and "acceptance: hold-out metric undefined" in reason
-    status, reason = _decide(metrics(None, 0), heads, None, None, config)  # type: ignore[arg-type]
+    status, reason = _decide(metrics(None, 0), heads, None, None, config)
     assert status == registry.CANDIDATE and "selection: hold-out metric undefined" in reason
 
 
