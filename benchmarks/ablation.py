@@ -57,6 +57,12 @@ session, when the session is four or more updates old (an update trains on sessi
 reward model, which then carries it to fresh sessions (``docs/BENCHMARKS.md``, "Late
 retention").
 
+The room a reward signal has: the labels-only arm run with users who label nearly everything,
+nearly exactly (``--population select_rate=1 --population accept_rate=1 --population retention_rate=1
+--population noise_max=0.02 --population bad_actor_share=0``) is what a reward model as good as a label
+on every session could reach at best; its gain over the scarce labels-only arm bounds what the
+assisted arm can add (``docs/BENCHMARKS.md``, "How much room a reward signal has in the ablation").
+
 Run: ``python benchmarks/ablation.py`` (defaults: seeds 0,1,2, 16 rounds of 32 groups; ``--quick`` for a
 smoke run).
 """

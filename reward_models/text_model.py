@@ -13,10 +13,13 @@ Features (:class:`TextFeatures`, fitted on the training rows only):
   logprobs' mean, min and standard deviation with a missing indicator (missing ones take the
   training median, never a raw NaN), and the execution feedback in the request: whether the newest
   tool verdict report in it (:func:`reward_models.verdicts.last_report`: an agent's ``run_tests``
-  answer) passed and was kept, with an indicator for none. A model fitted before those three columns
-  existed is scored without them. Edit statistics (``lines_added``) are left out: on the
-  synthetic data they are a function of the label, and in production they describe what the user
-  did with the answer more than the answer itself.
+  answer) passed and was kept, with an indicator for none; and the answer's grounding in the request
+  (:mod:`reward_models.literals`): the share of the request's numbers the answer uses, the share of
+  its own numbers the request never stated, and whether the request states none. A model fitted
+  before a group of columns existed is scored without it (new columns are appended). Edit
+  statistics (``lines_added``) are left out: on the synthetic data they are a function of the
+  label, and in production they describe what the user did with the answer more than the answer
+  itself.
 
 Texts are cut to ``max_chars`` (the start is kept) so one huge response cannot blow up time or
 memory; anything that is not a string (None, NaN, bytes) becomes text first. Each distinct
@@ -68,6 +71,7 @@ from sklearn.metrics import roc_auc_score
 from sklearn.model_selection import GroupKFold
 
 from reward_models.data import LOGPROB_COLUMNS
+from reward_models.literals import grounding
 from reward_models.verdicts import last_report
 
 log = structlog.get_logger(__name__)
@@ -89,6 +93,9 @@ NUMERIC = [
     "tool_passed",
     "tool_kept",
     "tool_verdict_missing",
+    "literal_coverage",
+    "literal_extra",
+    "literal_none",
 ]
 _LOGPROB = list(LOGPROB_COLUMNS)
 
@@ -236,7 +243,9 @@ class TextFeatures:
         tokens = np.nan_to_num(_numbers(frame, "num_completion_tokens"), nan=0.0).clip(min=0.0)
         logprobs = np.column_stack([_numbers(frame, name) for name in _LOGPROB]).reshape(len(frame), 3)
         columns = [per_pair[:, :2], np.log1p(tokens), per_pair[:, 2:], logprobs, np.isnan(logprobs[:, 0])]
-        return np.column_stack([*columns, verdict_columns(frame)]).astype(np.float64)
+        return np.column_stack([*columns, verdict_columns(frame), grounding(prompt, completion)[pair]]).astype(
+            np.float64
+        )
 
     def fit_design(self, frame: pd.DataFrame) -> Design:
         """Fit every block (and the numeric imputation) on ``frame`` and return its design."""

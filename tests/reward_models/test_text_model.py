@@ -202,16 +202,20 @@ def _agent_turns(n: int, seed: int) -> tuple[pd.DataFrame, np.ndarray, np.ndarra
         prompts.append("\n".join(lines))
         texts.append("assistant calls submit() " + " ".join(rng.choice(FILLER, 8)))
     y = (rng.random(n) < np.array([0.1, 0.5, 0.9])[newest]).astype(int)
-    frame = pd.DataFrame(
+    return _turns(f"a{seed}", seed, prompts, texts, tokens=12), y, newest
+
+
+def _turns(tag: str, seed: int, prompts: list[str], texts: list[str], tokens: int) -> pd.DataFrame:
+    """Session rows of (request, answer) pairs from 40 users, without served logprobs."""
+    return pd.DataFrame(
         {
-            "session_id": [f"a{seed}-{i}" for i in range(n)],
-            "user_id": [f"u{seed}-{i % 40}" for i in range(n)],
+            "session_id": [f"{tag}-{i}" for i in range(len(texts))],
+            "user_id": [f"u{seed}-{i % 40}" for i in range(len(texts))],
             "prompt_text": prompts,
             "completion_text": texts,
-            "num_completion_tokens": 12,
+            "num_completion_tokens": tokens,
         }
     )
-    return frame, y, newest
 
 
 def test_the_newest_tool_verdict_in_the_conversation_is_read() -> None:
@@ -245,3 +249,40 @@ def test_a_model_fitted_before_the_verdict_columns_still_scores() -> None:
     assert after.shape == before.shape and np.all(np.isfinite(after))
     # Without a verdict in any prompt, the new columns are constant: the old model scores the same.
     assert np.allclose(old.score(frame), before, atol=1e-6)
+
+
+def _constant_tasks(n: int, seed: int) -> tuple[pd.DataFrame, np.ndarray]:
+    """Requests that state two constants, answers that use them or swap one for another number.
+
+    The constants are drawn afresh for every row, so no term of the answer or the request tells a
+    right answer from a wrong one; only the answer read against its request does. A right answer is
+    kept 90% of the time, a wrong one 10%.
+    """
+    rng = np.random.default_rng(seed)
+    prompts, texts, right = [], [], []
+    for _ in range(n):
+        a, b, other = (int(v) for v in rng.choice(np.arange(2, 90), 3, replace=False))
+        ok = bool(rng.random() < 0.5)
+        prompts.append(f"# return x plus {a} times {b}\ndef f(x):\n")
+        texts.append(
+            f"    return x + {a} * {b if ok else other}\n"
+            if rng.random() < 0.5
+            else f"    y = {b if ok else other} * {a}\n    return x + y\n"
+        )
+        right.append(ok)
+    y = (rng.random(n) < np.where(right, 0.9, 0.1)).astype(int)
+    return _turns(f"c{seed}", seed, prompts, texts, tokens=10), y
+
+
+def test_an_answer_is_read_against_the_numbers_its_request_states() -> None:
+    train, y_train = _constant_tasks(1200, seed=21)
+    test, y_test = _constant_tasks(600, seed=22)
+    auc = ev.auc(y_test, TextRewardModel().fit(train, y_train).score(test)) or 0.0
+    assert auc > 0.8, auc  # the truth reaches about 0.9 on these labels
+
+    # With the request's numbers spelled out of reach, the same model has only the terms: chance.
+    def unstated(frame: pd.DataFrame) -> pd.DataFrame:
+        return frame.assign(prompt_text=frame["prompt_text"].str.replace(r"\d", "#", regex=True))
+
+    blind = TextRewardModel().fit(unstated(train), y_train).score(unstated(test))
+    assert abs((ev.auc(y_test, blind) or 0.5) - 0.5) < 0.1
