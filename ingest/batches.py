@@ -73,6 +73,7 @@ from ingest.writer import (
     InFlightKeys,
     PreparedEvents,
     WriteResult,
+    committed_before,
     pack_prepared,
     prepare_events,
     store_offsets,
@@ -217,11 +218,19 @@ def commit_batch(
     the keys of the batch before (see :class:`~ingest.writer.InFlightKeys`) and
     ``before_committed`` waits for it once the rows are written, before the offsets: when it did
     not commit, neither does this one (``None``).
+
+    A retry first asks whether the try before committed after all (the connection lost during ``COMMIT``:
+    :func:`~ingest.writer.committed_before`); if so, that commit's result is returned and nothing is written
+    again.
     """
     delay = ctx.retry_initial_s
+    retrying = False
     while True:
         try:
             with transaction(engine) as session:
+                earlier = committed_before(session, prepared, ctx.group_id, offsets, cluster) if retrying else None
+                if earlier is not None:  # the last try committed; only its answer was lost
+                    return BatchDone(earlier, letters, time.time(), time.monotonic())
                 result = write_prepared(session, prepared, pending)
                 write_dead_letters(session, letters)
                 if before_committed is not None and not before_committed():
@@ -234,6 +243,7 @@ def commit_batch(
             if not is_transient(exc):
                 raise
             on_retry(str(exc.orig)[:200], delay)
+            retrying = True
             if stop.wait(delay):
                 return None
             delay = min(delay * 2, ctx.retry_max_s)

@@ -556,3 +556,49 @@ def load_offsets(session: Session, group_id: str, topic: str, cluster_id: str | 
         )
     )
     return {int(p): int(o) for p, o, c in rows if cluster_id is None or c is None or c == cluster_id}
+
+
+def committed_before(
+    session: Session,
+    prepared: PreparedEvents,
+    group_id: str,
+    offsets: Mapping[tuple[str, int], int],
+    cluster_id: str | None = None,
+) -> WriteResult | None:
+    """What a batch's earlier try did when its commit went through but the answer was lost (the connection
+    dropped during ``COMMIT``); None when it did not commit.
+
+    The stored offsets tell: they commit with the rows and only move forward, so offsets at or past the
+    batch's mean its rows are in. Its deliveries are then what that commit made of them: those recorded in
+    ``duplicates`` under their topic, partition and offset were duplicates, those of forgotten users were
+    dropped, and the rest were stored. Writing the batch again instead would count every event it stored as
+    a duplicate of itself.
+    """
+    if not offsets:
+        return None
+    topics = {t for t, _ in offsets}
+    stored = {(t, p): o for t in topics for p, o in load_offsets(session, group_id, t, cluster_id).items()}
+    if any(stored.get(tp, -1) < o for tp, o in offsets.items()):
+        return None
+    keys = {(d.topic, d.partition, d.offset) for d in prepared.items}
+    recorded: set[tuple[str, int, int]] = set()
+    for topic, partition in {(t, p) for t, p, _ in keys}:
+        span = [o for t, p, o in keys if (t, p) == (topic, partition)]
+        rows = session.execute(
+            select(DuplicateRow.offset).where(
+                DuplicateRow.topic == topic,
+                DuplicateRow.partition == partition,
+                DuplicateRow.offset.between(min(span), max(span)),
+            )
+        )
+        recorded.update((topic, partition, int(o)) for (o,) in rows)
+    dropped = _forgotten_events(session, prepared) if prepared.items else {}
+    result = WriteResult(dropped=len(dropped))
+    for d in prepared.items:
+        eid = d.event.event_id
+        if (d.topic, d.partition, d.offset) in recorded:
+            result.duplicate_ids.append(eid)
+        elif eid not in dropped:
+            result.stored_ids.append(eid)
+    result.stored, result.duplicates = len(result.stored_ids), len(result.duplicate_ids)
+    return result

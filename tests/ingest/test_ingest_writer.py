@@ -297,3 +297,51 @@ def test_the_copy_streams_are_the_bytes_psycopg_sends(engine: Any) -> None:
                 for row in table_rows:  # psycopg would dump a str for a json column as a JSON string: wrap it
                     copy.write_row([Json(v, dumps=str) if t == "json" else v for v, t in zip(row, types, strict=True)])
             assert streams[name] == bytes(writer.data), name
+
+
+@pytest.mark.parametrize("answer_lost", [True, False], ids=["committed", "not-committed"])
+def test_a_commit_whose_answer_is_lost_is_not_written_again(engine: Any, answer_lost: bool) -> None:
+    """The connection can drop during ``COMMIT`` after the server committed: the writer sees an error and
+    retries. The retry must find that the batch is in and report what that commit did: the events it
+    stored are not recorded again as duplicates of themselves, and the real duplicates stay counted once.
+    A commit that did fail is written again in full."""
+    from sqlalchemy import event
+    from sqlalchemy.exc import OperationalError
+    from sqlalchemy.orm import Session
+
+    from ingest.batches import BatchContext, commit_batch, prepare_batch
+    from ingest.rows import codec_for
+
+    with transaction(engine) as s:
+        write_events(s, [ev(session_event(1))])
+    batch = [session_event(1), session_event(2), signal_event("sig-9", "feedback.thumbs", "sess-7-2", {"value": 1})]
+    batch.append(session_event(2))  # a second delivery within the batch
+    records = [("t", 0, 5 + i, None, raw(e)) for i, e in enumerate(batch)]
+    ctx = BatchContext("g", 1 << 20, 0.01, 0.05)
+    prepared, letters = prepare_batch(codec_for(engine.dialect.name), ctx, records)
+    faults: list[str] = []
+
+    def drop_connection(session: Any) -> None:
+        if not faults:
+            faults.append("dropped")
+            raise OperationalError("COMMIT", None, Exception("the connection is lost"))
+
+    hook = "after_commit" if answer_lost else "before_commit"
+    event.listen(Session, hook, drop_connection)
+    retries: list[str] = []
+    try:
+        done = commit_batch(
+            engine, ctx, prepared, letters, {("t", 0): 9}, None, threading.Event(), lambda e, d: retries.append(e)
+        )
+    finally:
+        event.remove(Session, hook, drop_connection)
+    assert faults == ["dropped"] and retries == ["the connection is lost"]
+    assert done is not None
+    assert (done.result.stored, done.result.duplicates) == (2, 2)
+    assert sorted(done.result.stored_ids) == [batch[1]["event_id"], "sig-9"]
+    with transaction(engine) as s:
+        dupes = s.execute(select(DuplicateRow.offset).order_by(DuplicateRow.offset)).scalars().all()
+        assert dupes == [5, 8]
+        assert s.scalar(select(func.count()).select_from(SessionRow)) == 2
+        assert s.scalar(select(func.count()).select_from(SignalRow)) == 1
+        assert load_offsets(s, "g", "t") == {0: 9}
