@@ -27,8 +27,11 @@ folds (its ``C`` picked by its own inner cross-validation on them: nothing is tu
 and scored on the held-out programmers, next to character 2-4-gram TF-IDF plus logistic regression
 on the response text, the served mean logprob alone, and the previous default (hashed n-grams, SGD).
 Means over folds and the per-fold values are reported; a missing file reports null with the reason.
+Any other real log of answers and adoption labels runs the same way through the generic importer
+(:mod:`ingest.table_import`): ``--real FILE --real-map user=uid,prompt=q,response=a,label=accepted``
+(CSV, TSV or JSON Lines; the roles of ``undertow import table --map``), folds grouped by its user column.
 
-Usage: ``python benchmarks/rewards.py --json`` (``--sizes 100000,1000000``, ``--real PATH``).
+Usage: ``python benchmarks/rewards.py --json`` (``--sizes 100000,1000000``, ``--real PATH``, ``--real-map``).
 """
 
 from __future__ import annotations
@@ -175,13 +178,24 @@ def tfidf_lr_baseline() -> Any:
     )
 
 
-def real_frame(path: Path, config: RewardsConfig) -> tuple[pd.DataFrame, np.ndarray, dict[str, Any]]:
-    """RealHumanEval through the import path: events -> session and signal frames -> acceptance rows (index
-    ``session_id``), their labels, and what the import read and skipped."""
-    from ingest.realhumaneval import read_events
+def real_frame(
+    path: Path, config: RewardsConfig, columns: list[str] | None = None, time_format: str = "iso"
+) -> tuple[pd.DataFrame, np.ndarray, dict[str, Any]]:
+    """Real data through the import path: events -> session and signal frames -> acceptance rows (index
+    ``session_id``), their labels, and what the import read and skipped. RealHumanEval's ``chat_data.csv``
+    by default; any CSV, TSV or JSON Lines table with ``columns`` (``role=column`` items, as ``undertow
+    import table --map`` takes them: :mod:`ingest.table_import`), whose time column reads as ``time_format``."""
     from reward_models.data import session_records, signal_records
 
-    result = read_events(path)
+    if columns:
+        from ingest.table_import import ColumnMap
+        from ingest.table_import import read_events as read_table
+
+        result = read_table(path, ColumnMap.parse(columns), time_format=time_format)
+    else:
+        from ingest.realhumaneval import read_events
+
+        result = read_events(path)
     sessions = session_records([e for e in result.events if e["type"] == "session.completed"])
     signals = signal_records(result.events)
     now = pd.to_datetime(sessions["occurred_at"], utc=True, format="ISO8601").max() + timedelta(days=1)
@@ -195,9 +209,11 @@ def _summary(values: list[float]) -> dict[str, Any]:
     return {"mean": round(float(arr.mean()), 4), "std": round(float(arr.std()), 4), "folds": np.round(arr, 4).tolist()}
 
 
-def run_real(path: Path, config: RewardsConfig, k: int = 5) -> dict[str, Any]:
-    """The project's model and the baselines on ``k`` folds of the real data grouped by programmer."""
-    rows, y, info = real_frame(path, config)
+def run_real(
+    path: Path, config: RewardsConfig, k: int = 5, columns: list[str] | None = None, time_format: str = "iso"
+) -> dict[str, Any]:
+    """The project's model and the baselines on ``k`` folds of the real data grouped by user (programmer)."""
+    rows, y, info = real_frame(path, config, columns, time_format)
     folds = grouped_folds(rows["user_id"], k)
     hashed = config.model_copy(update={"pointwise_model": "hashed"})
     metrics: dict[str, list[float]] = {
@@ -223,7 +239,8 @@ def run_real(path: Path, config: RewardsConfig, k: int = 5) -> dict[str, Any]:
         "programmers": int(rows["user_id"].nunique()),
         "positive_rate": round(float(y.mean()), 4),
         "folds": k,
-        "split": f"GroupKFold({k}) by programmer (user_id); label: code copied from the answer",
+        "split": f"GroupKFold({k}) by programmer (user_id); label: "
+        + ("the table's label column" if columns else "code copied from the answer"),
         "seconds": round(time.perf_counter() - t0, 1),
         **info,
     }
@@ -239,6 +256,18 @@ def main() -> None:
     parser.add_argument(
         "--real", type=Path, default=ROOT / DEFAULT_REAL, help="RealHumanEval chat_data.csv (default: %(default)s)"
     )
+    parser.add_argument(
+        "--real-map",
+        action="append",
+        default=None,
+        help="read --real as a CSV/TSV/JSON Lines table with this column mapping (role=column, as `undertow "
+        "import table --map`); default: RealHumanEval's chat_data.csv",
+    )
+    parser.add_argument(
+        "--real-time-format",
+        default="iso",
+        help="with --real-map: how its time column reads (iso, unix, unix_ms, offset)",
+    )
     args = parser.parse_args()
     with contextlib.suppress(AttributeError, OSError):
         psutil.Process().cpu_affinity(list(range(min(2, psutil.cpu_count() or 1))))
@@ -252,7 +281,7 @@ def main() -> None:
     real: dict[str, Any] | None = None
     reason = None
     if args.real.is_file():
-        real = run_real(args.real, config)
+        real = run_real(args.real, config, columns=args.real_map, time_format=args.real_time_format)
         print(f"real: {real}", file=sys.stderr)
     else:
         reason = f"real data not found at {args.real}; pass --real PATH to RealHumanEval's chat_data.csv"

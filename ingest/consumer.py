@@ -10,7 +10,10 @@ Faults:
 - bad input: a dead letter (table, then the ``dlq`` topic) with raw bytes, topic, partition,
   offset and reason; the partition keeps flowing.
 - database unavailable: the batch is retried with exponential backoff; nothing is committed
-  anywhere until it succeeds, so nothing is lost.
+  anywhere until it succeeds, so nothing is lost. When the connection drops during ``COMMIT``
+  after the server committed, the retry finds the batch's offsets stored and reports what that
+  commit did (:func:`ingest.writer.committed_before`): nothing is written again, and the batch's
+  own events are not counted as duplicates of themselves.
 - broker restart (the embedded broker keeps topics in memory): the client reconnects and the
   topics are created again. Offsets are stored with the Kafka cluster id, which the embedded
   broker draws fresh at every start: a new id means a new log, read from its beginning (records

@@ -53,22 +53,29 @@ rollouts need token ids.
 from __future__ import annotations
 
 import ast
-import contextlib
 import csv
-import json
 import math
 import re
-import unicodedata
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import structlog
 
-from ingest import schemas
+from ingest import imports, schemas
+from ingest.imports import (
+    CSV_FIELD_LIMIT,
+    BadRow,
+    ImportResult,
+    SkippedRow,
+    check_text,
+    checked,
+    csv_field_limit,
+    csv_records,
+    plain_name,
+    stable_id,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -80,8 +87,6 @@ ROLES = ("system", "user", "assistant")
 LOGPROB_KEYS = ("mean", "median", "min", "max", "std", "firstElement", "middleElement", "lastElement")
 MAX_TIMESTAMP_S = 10 * 365 * 86400
 """A study session longer than ten years is a broken row."""
-CSV_FIELD_LIMIT = 64 << 20
-"""The CSV reader's field limit while reading; a longer field is an unreadable record."""
 
 _NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "undertow:import:realhumaneval")
 _PROGRAMMER = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -94,64 +99,8 @@ def default_path(repo_root: Path | None = None) -> Path | None:
     return path if path.exists() else None
 
 
-class FormatError(ValueError):
+class FormatError(imports.FormatError):
     """The file is not RealHumanEval's ``chat_data.csv``: nothing was read."""
-
-
-class _BadRow(ValueError):
-    """A row that cannot become events; its message is the reason reported."""
-
-
-@dataclass(frozen=True)
-class SkippedRow:
-    """A row left out: ``row`` counts data records from 1 (the header is not one), ``line`` is where it starts."""
-
-    row: int
-    line: int
-    reason: str
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"row": self.row, "line": self.line, "reason": self.reason}
-
-
-@dataclass
-class ImportResult:
-    """The envelopes of the rows read (each row's session, then its signal), and the rows skipped."""
-
-    events: list[dict[str, Any]] = field(default_factory=list)
-    rows: int = 0
-    """Data records read (skipped ones included)."""
-    skipped: list[SkippedRow] = field(default_factory=list)
-
-    def count(self, kind: str) -> int:
-        """Events of one type."""
-        return sum(1 for e in self.events if e["type"] == kind)
-
-    @property
-    def sessions(self) -> int:
-        return self.count(schemas.SESSION_COMPLETED)
-
-    @property
-    def signals(self) -> int:
-        return len(self.events) - self.sessions
-
-    @property
-    def conversations(self) -> int:
-        return len({e["payload"]["conversation_id"] for e in self.events if e["type"] == schemas.SESSION_COMPLETED})
-
-    def summary(self) -> dict[str, Any]:
-        """Counts and the skipped rows with their reasons, as plain data."""
-        return {
-            "rows": self.rows,
-            "sessions": self.sessions,
-            "signals": self.signals,
-            "accepted": self.count(schemas.EDIT_ACCEPTED),
-            "rejected": self.count(schemas.EDIT_REJECTED),
-            "conversations": self.conversations,
-            "users": len({e["user_id"] for e in self.events}),
-            "skipped": len(self.skipped),
-            "skipped_rows": [s.as_dict() for s in self.skipped],
-        }
 
 
 def read_events(
@@ -175,52 +124,32 @@ def read_events(
     result = ImportResult()
     seen: dict[str, int] = {}
     with (
-        _csv_field_limit(max(CSV_FIELD_LIMIT, 4 * max_bytes)),
+        csv_field_limit(max(CSV_FIELD_LIMIT, 4 * max_bytes)),
         open(path, newline="", encoding="utf-8-sig", errors="surrogateescape") as handle,
     ):
         reader = csv.reader(handle)
         index = _header(next(reader, None), path)
-        line = reader.line_num
-        while limit is None or result.rows < limit:
-            start = line + 1
-            try:
-                cells = next(reader)
-            except StopIteration:
+        for start, cells in csv_records(reader):
+            if limit is not None and result.rows >= limit:
                 break
-            except csv.Error as exc:
-                result.rows += 1
-                result.skipped.append(SkippedRow(result.rows, start, f"unreadable CSV record: {exc}"))
-                line = reader.line_num
-                continue
-            line = reader.line_num
-            if not cells:
-                continue  # a blank line
             result.rows += 1
+            if isinstance(cells, BadRow):
+                result.skipped.append(SkippedRow(result.rows, start, str(cells)))
+                continue
             try:
                 identity, events = _row_events(cells, index, study_start, max_bytes)
                 if identity in seen:
-                    raise _BadRow(
+                    raise BadRow(
                         f"same programmer_id, task_name and timestamp as row {seen[identity]}: the two would share "
                         "event ids and ingest would keep one"
                     )
-            except _BadRow as exc:
+            except BadRow as exc:
                 result.skipped.append(SkippedRow(result.rows, start, str(exc)))
                 continue
             seen[identity] = result.rows
             result.events.extend(events)
     log.info("realhumaneval.read", rows=result.rows, events=len(result.events), skipped=len(result.skipped))
     return result
-
-
-@contextlib.contextmanager
-def _csv_field_limit(limit: int) -> Iterator[None]:
-    """Raise the CSV module's (process-wide) field limit while reading, then put it back."""
-    old = csv.field_size_limit()
-    csv.field_size_limit(max(old, limit))
-    try:
-        yield
-    finally:
-        csv.field_size_limit(old)
 
 
 def _header(header: list[str] | None, path: str | Path) -> dict[str, int]:
@@ -236,24 +165,19 @@ def _header(header: list[str] | None, path: str | Path) -> dict[str, int]:
 def _row_events(
     cells: list[str], index: dict[str, int], study_start: datetime, max_bytes: int
 ) -> tuple[str, list[dict[str, Any]]]:
-    """The identity of one record and its session and signal, validated; raises :class:`_BadRow` with the reason."""
+    """The identity of one record and its session and signal, validated; raises :class:`BadRow` with the reason."""
     if len(cells) != index[""]:
-        raise _BadRow(f"{len(cells)} cells where the header has {index['']}: a column is missing or extra")
+        raise BadRow(f"{len(cells)} cells where the header has {index['']}: a column is missing or extra")
     cell = {name: cells[i] for name, i in index.items() if name}
     for name, value in cell.items():
-        try:
-            size = len(value.encode("utf-8"))
-        except UnicodeEncodeError:
-            raise _BadRow(f"{name} is not valid UTF-8 text") from None
-        if size > max_bytes:
-            raise _BadRow(f"oversized: {name} is {size:,} bytes; one event carries at most {max_bytes:,}")
+        check_text(name, value, max_bytes)
         if not value.strip():
-            raise _BadRow(f"{name} is empty")
+            raise BadRow(f"{name} is empty")
     programmer = cell["programmer_id"].strip()
     if not _PROGRAMMER.fullmatch(programmer):
-        raise _BadRow(f"programmer_id {programmer[:40]!r} is not 1-64 letters, digits, '.', '_' or '-'")
-    model = _name("model", cell["model"])
-    task = _name("task_name", cell["task_name"])
+        raise BadRow(f"programmer_id {programmer[:40]!r} is not 1-64 letters, digits, '.', '_' or '-'")
+    model = plain_name("model", cell["model"])
+    task = plain_name("task_name", cell["task_name"])
     seconds = _seconds(cell["timestamp"])
     messages = _messages(_literal("request", cell["request"], list))
     copied = _copies(_literal("copy_events", cell["copy_events"], list))
@@ -297,30 +221,20 @@ def _row_events(
         "user_id": user_id,
         "payload": edit,
     }
-    return identity, [_checked(session, max_bytes), _checked(signal, max_bytes)]
+    return identity, [checked(session, max_bytes), checked(signal, max_bytes)]
 
 
 def _uuid(*parts: str) -> str:
-    return str(uuid.uuid5(_NAMESPACE, "\x1f".join(parts)))
-
-
-def _name(field_name: str, value: str) -> str:
-    """A model or task name: at most 128 characters, no control characters (NUL, escapes, newlines)."""
-    name = value.strip()
-    if len(name) > 128:
-        raise _BadRow(f"{field_name} is {len(name)} characters; at most 128")
-    if any(unicodedata.category(c) == "Cc" for c in name):
-        raise _BadRow(f"{field_name} {name[:40]!r} contains control characters (NUL, escapes or newlines)")
-    return name
+    return stable_id(_NAMESPACE, *parts)
 
 
 def _seconds(value: str) -> float:
     try:
         seconds = float(value)
     except ValueError:
-        raise _BadRow(f"timestamp {value[:40]!r} is not a number of seconds") from None
+        raise BadRow(f"timestamp {value[:40]!r} is not a number of seconds") from None
     if not math.isfinite(seconds) or not 0 <= seconds <= MAX_TIMESTAMP_S:
-        raise _BadRow(f"timestamp {value[:40]!r} is not between 0 and {MAX_TIMESTAMP_S} seconds")
+        raise BadRow(f"timestamp {value[:40]!r} is not between 0 and {MAX_TIMESTAMP_S} seconds")
     return seconds
 
 
@@ -329,9 +243,9 @@ def _literal(field_name: str, text: str, kind: type) -> Any:
     try:
         value = ast.literal_eval(text.strip())
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError) as exc:
-        raise _BadRow(f"{field_name} is not a Python literal ({type(exc).__name__}: {str(exc)[:120]})") from None
+        raise BadRow(f"{field_name} is not a Python literal ({type(exc).__name__}: {str(exc)[:120]})") from None
     if not isinstance(value, kind):
-        raise _BadRow(f"{field_name} is a {type(value).__name__} literal, not a {kind.__name__}")
+        raise BadRow(f"{field_name} is a {type(value).__name__} literal, not a {kind.__name__}")
     return value
 
 
@@ -339,7 +253,7 @@ def _messages(request: list[Any]) -> list[dict[str, str]]:
     messages = []
     for i, m in enumerate(request):
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise _BadRow(f"request message {i} is not a {{'role': system|user|assistant, 'content': str}} dict")
+            raise BadRow(f"request message {i} is not a {{'role': system|user|assistant, 'content': str}} dict")
         messages.append({"role": m["role"], "content": m["content"]})
     return messages
 
@@ -348,7 +262,7 @@ def _copies(events: list[Any]) -> list[str]:
     """The texts copied (one per copy event)."""
     for i, e in enumerate(events):
         if not isinstance(e, dict) or not isinstance(e.get("copied"), str):
-            raise _BadRow(f"copy_events item {i} is not a {{'type': ..., 'copied': str}} dict")
+            raise BadRow(f"copy_events item {i} is not a {{'type': ..., 'copied': str}} dict")
     return [e["copied"] for e in events]
 
 
@@ -366,18 +280,3 @@ def _served_logprobs(summary: dict[Any, Any]) -> dict[str, float]:
             if math.isfinite(number):
                 out[key] = number
     return out
-
-
-def _checked(event: dict[str, Any], max_bytes: int) -> dict[str, Any]:
-    """``event`` once it validates against the contract and fits ``max_bytes`` on the wire."""
-    try:
-        json.dumps(event, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        raise _BadRow("a message holds text that is not valid UTF-8 (a lone surrogate)") from None
-    try:
-        wire = schemas.encode_event(schemas.validate_event(event))
-    except schemas.InvalidEvent as exc:
-        raise _BadRow(f"breaks the wire contract ({exc})") from None
-    if len(wire) > max_bytes:
-        raise _BadRow(f"oversized: its {event['type']} event is {len(wire):,} bytes; the limit is {max_bytes:,}")
-    return event

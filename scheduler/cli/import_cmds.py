@@ -1,6 +1,8 @@
-"""``undertow import realhumaneval PATH``: a public data set sent through Kafka as wire-contract telemetry.
+"""``undertow import realhumaneval PATH`` and ``undertow import table PATH --map ...``: files sent through
+Kafka as wire-contract telemetry.
 
-The rows become envelopes (:mod:`ingest.realhumaneval`), are sent with the producer SDK (validated,
+The rows become envelopes (:mod:`ingest.realhumaneval` for that public data set, :mod:`ingest.table_import`
+for any CSV, TSV or JSON Lines table by a column mapping), are sent with the producer SDK (validated,
 keyed by ``session_id``, ``acks=all``) to ``kafka.topic``, and reach the database through ``undertow
 ingest`` like production telemetry. Event ids are fixed by the rows, so importing again stores nothing
 twice (ingest counts the second copies as duplicates).
@@ -13,6 +15,8 @@ dead-letter every event.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,6 +25,7 @@ import typer
 
 if TYPE_CHECKING:
     from ingest.config import IngestConfig
+    from ingest.imports import ImportResult
     from ingest.signing import SigningKey
     from scheduler.settings import Settings
 
@@ -53,29 +58,106 @@ def realhumaneval(
     A copied answer is an edit.accepted, one without a copy an edit.rejected (ingest.realhumaneval says
     why). Malformed rows are skipped and listed with their row, line and reason; the rest are sent.
     """
-    from ingest.realhumaneval import FormatError, read_events
-    from scheduler.cli.common import print_json, setup
+    from ingest.realhumaneval import read_events
+    from scheduler.cli.common import setup
 
     settings = setup()
-    start = _study_start(study_start) if study_start else _yesterday()
-    try:
+    start = _study_start(study_start, "--study-start") if study_start else _yesterday()
+    with _readable(path):
         result = read_events(path, limit=limit, study_start=start, max_bytes=settings.kafka.max_message_bytes)
+    _deliver(
+        settings,
+        result,
+        {"source": "realhumaneval", "path": str(path), "study_start": start.isoformat()},
+        dry_run,
+        key_id,
+        as_json,
+    )
+
+
+@import_app.command("table")
+def table(
+    path: Path = typer.Argument(..., help="A CSV, TSV or JSON Lines file, one answer per row."),
+    mapping: list[str] = typer.Option(
+        ...,
+        "--map",
+        help="role=column, repeated or comma-separated. Required: user, response. Optional: prompt, label, time, "
+        "conversation, model, task, logprob, id (ingest.table_import says what each means).",
+    ),
+    fmt: str | None = typer.Option(None, "--format", help="csv, tsv or jsonl (default: from the suffix)."),
+    time_format: str = typer.Option(
+        "iso", "--time-format", help="How the time column reads: iso, unix, unix_ms or offset (seconds after --start)."
+    ),
+    start: str | None = typer.Option(
+        None,
+        "--start",
+        help="ISO 8601 with an offset: what offset times count from, and row n's time (plus n seconds) when no "
+        "column holds one; default: 00:00 UTC yesterday.",
+    ),
+    source: str = typer.Option("table", "--source", help="The sessions' payload source (a name for the data set)."),
+    limit: int | None = typer.Option(None, "--limit", min=0, help="Read at most N rows."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Read and validate every row; send nothing."),
+    key_id: str | None = typer.Option(
+        None, "--key-id", help="Sign with this key of ingest.signing_keys (default: ingest.replay_signing_key_id)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Send any table of answers and adoption labels as telemetry: per row a session.completed, and an
+    edit.accepted or edit.rejected where its label says.
+
+    Example: undertow import table suggestions.jsonl --map user=uid,prompt=prefix,response=text,label=accepted
+    Malformed rows are skipped and listed with their row, line and reason; the rest are sent.
+    """
+    from ingest.table_import import ColumnMap, read_events
+    from scheduler.cli.common import setup
+
+    try:
+        columns = ColumnMap.parse(mapping)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--map") from None
+    settings = setup()
+    begin = _study_start(start, "--start") if start else _yesterday()
+    with _readable(path):
+        result = read_events(
+            path,
+            columns,
+            fmt=fmt,
+            time_format=time_format,
+            start=begin,
+            limit=limit,
+            source=source,
+            max_bytes=settings.kafka.max_message_bytes,
+        )
+    info = {"source": source, "path": str(path), "columns": columns.columns, "start": begin.isoformat()}
+    _deliver(settings, result, info, dry_run, key_id, as_json)
+
+
+@contextlib.contextmanager
+def _readable(path: Path) -> Iterator[None]:
+    """A file the importer cannot read, or arguments it refuses, exit 2 with the reason."""
+    from ingest.imports import FormatError
+
+    try:
+        yield
     except FormatError as exc:
         raise typer.BadParameter(str(exc), param_hint="PATH") from None
     except OSError as exc:
         raise typer.BadParameter(f"cannot read {path}: {exc.strerror or exc}", param_hint="PATH") from None
-    summary: dict[str, Any] = {"source": "realhumaneval", "path": str(path), **result.summary()}
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+def _deliver(
+    settings: Settings, result: ImportResult, info: dict[str, Any], dry_run: bool, key_id: str | None, as_json: bool
+) -> None:
+    """Warn about times, send (unless a dry run) and print the summary."""
+    from scheduler.cli.common import print_json
+
+    summary: dict[str, Any] = {**info, **result.summary()}
     warnings = _time_warnings(result.events, settings.ingest.retention_days)
     for warning in warnings:
         typer.echo(f"warning: {warning}", err=True)
-    summary.update(
-        study_start=start.isoformat(),
-        dry_run=dry_run,
-        sent=0,
-        topic=settings.kafka.topic,
-        signed_with=None,
-        warnings=warnings,
-    )
+    summary.update(dry_run=dry_run, sent=0, topic=settings.kafka.topic, signed_with=None, warnings=warnings)
     if not dry_run and result.events:
         key = _signing_key(settings.ingest, key_id)
         summary["signed_with"] = key.key_id if key else None
@@ -91,15 +173,13 @@ def _yesterday() -> datetime:
     return today - timedelta(days=1)
 
 
-def _study_start(text: str) -> datetime:
+def _study_start(text: str, option: str) -> datetime:
     try:
         start = datetime.fromisoformat(text)
     except ValueError:
-        raise typer.BadParameter(f"{text!r} is not an ISO 8601 time", param_hint="--study-start") from None
+        raise typer.BadParameter(f"{text!r} is not an ISO 8601 time", param_hint=option) from None
     if start.tzinfo is None:
-        raise typer.BadParameter(
-            f"{text!r} has no offset; add one, e.g. 2024-06-01T00:00:00+00:00", param_hint="--study-start"
-        )
+        raise typer.BadParameter(f"{text!r} has no offset; add one, e.g. 2024-06-01T00:00:00+00:00", param_hint=option)
     return start
 
 

@@ -75,6 +75,39 @@ def test_real_section_reads_through_the_import_path_and_holds_programmers_out(be
     assert all(0.0 <= v <= 1.0 for v in result["ece"]["folds"])
 
 
+def test_real_section_reads_any_table_by_a_column_mapping(bench: ModuleType, tmp_path: Path) -> None:
+    """Another real log (here the slice exported as JSON Lines with other names) runs through the generic
+    importer: the same rows, labels and user-grouped folds."""
+    import ast
+    import csv
+
+    with SLICE.open(newline="", encoding="utf-8") as handle:
+        rows = list(csv.DictReader(handle))
+    path = tmp_path / "export.jsonl"
+    with path.open("w", encoding="utf-8") as out:
+        for r in rows:
+            record = {
+                "dev": r["programmer_id"],
+                "ask": r["request"],
+                "answer": r["response"],
+                "took": r["copy_events"] != "[]",
+                "at": float(r["timestamp"]),
+                "stats": {"lp": ast.literal_eval(r["logprobs"])["mean"]},
+            }
+            out.write(json.dumps(record) + "\n")
+    columns = ["user=dev,prompt=ask,response=answer,label=took,logprob=stats.lp"]
+
+    frame, y, info = bench.real_frame(path, RewardsConfig(), columns)
+    assert info == {"file_rows": len(rows), "skipped_rows": 0} and len(frame) == len(rows)
+    copied = {(r["programmer_id"], r["response"]): r["copy_events"] != "[]" for r in rows}
+    assert [copied[(u, t)] for u, t in zip(frame["user_id"], frame["completion_text"], strict=True)] == list(y == 1)
+    assert frame["mean_logprob"].notna().all()
+
+    result = bench.run_real(path, RewardsConfig(), k=4, columns=columns)
+    assert result["programmers"] == len({r["programmer_id"] for r in rows}) and "label column" in result["split"]
+    assert 0.0 <= result["auc"]["mean"] <= 1.0 and len(result["auc_tfidf_lr"]["folds"]) == 4
+
+
 def test_missing_real_file_reports_null_with_a_reason(tmp_path: Path) -> None:
     missing = tmp_path / "absent.csv"
     proc = subprocess.run(
