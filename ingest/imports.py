@@ -15,6 +15,7 @@ import unicodedata
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from ingest import schemas
@@ -121,6 +122,13 @@ def check_text(name: str, value: str, max_bytes: int) -> None:
         raise BadRow(f"{name} is not valid UTF-8 text") from None
     if size > max_bytes:
         raise BadRow(f"oversized: {name} is {size:,} bytes; one event carries at most {max_bytes:,}")
+
+
+def yesterday() -> datetime:
+    """00:00 UTC yesterday: the default start of imported data whose times are offsets or absent. Recent
+    enough for ``ingest.retention_days`` and in the past, so reward training windows hold it."""
+    today = datetime.now(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    return today - timedelta(days=1)
 
 
 def stable_id(namespace: uuid.UUID, *parts: str) -> str:

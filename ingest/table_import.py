@@ -119,6 +119,8 @@ class _Row:
     line: int
     cells: dict[str, Any]
     occurred_at: datetime
+    identity: str = ""
+    """What its event ids derive from (:func:`_identity`)."""
 
 
 def read_events(
@@ -143,7 +145,7 @@ def read_events(
     if time_format not in TIME_FORMATS:
         raise ValueError(f"unknown time format {time_format!r}; one of {', '.join(TIME_FORMATS)}")
     if start is None:
-        start = datetime.now(UTC).replace(hour=0, minute=0, second=0, microsecond=0) - timedelta(days=1)
+        start = imports.yesterday()
     if start.tzinfo is None:
         raise ValueError("start must be timezone-aware (e.g. 2024-06-01T00:00:00+00:00)")
     if limit is not None and limit < 0:
@@ -161,20 +163,20 @@ def read_events(
         try:
             if isinstance(cells, BadRow):
                 raise cells
-            row = _Row(number, line, _checked_cells(cells, max_bytes), start)
-            row.occurred_at = _when(row.cells, time_format, start, number)
-            identity = _identity(row)
-            if identity in seen:
-                raise BadRow(f"the same identity as row {seen[identity]} (its id, or user, time and text)")
+            checked = _checked_cells(cells, max_bytes)
+            row = _Row(number, line, checked, _when(checked, time_format, start, number))
+            row.identity = _identity(row)
+            if row.identity in seen:
+                raise BadRow(f"the same identity as row {seen[row.identity]} (its id, or user, time and text)")
         except BadRow as exc:
             result.skipped.append(SkippedRow(result.rows, line, str(exc)))
             continue
-        seen[identity] = number
+        seen[row.identity] = number
         rows.append(row)
     turns = _turns(rows)
     for row in rows:
         try:
-            result.events.extend(_row_events(row, _identity(row), turns.get(row.number), source, max_bytes))
+            result.events.extend(_row_events(row, turns.get(row.number), source, max_bytes))
         except BadRow as exc:
             result.skipped.append(SkippedRow(row.number, row.line, str(exc)))
     result.skipped.sort(key=lambda s: s.row)
@@ -347,18 +349,16 @@ def _turns(rows: list[_Row]) -> dict[int, tuple[str, int]]:
     return out
 
 
-def _row_events(
-    row: _Row, identity: str, turn: tuple[str, int] | None, source: str, max_bytes: int
-) -> list[dict[str, Any]]:
+def _row_events(row: _Row, turn: tuple[str, int] | None, source: str, max_bytes: int) -> list[dict[str, Any]]:
     """One row's session and, when it has a label, its edit signal; raises :class:`BadRow`."""
-    cells = row.cells
+    cells, identity = row.cells, row.identity
     user_id = imports.plain_name("user", str(cells["user"]))
-    model = imports.plain_name("model", str(cells["model"])) if cells.get("model") not in (None, "") else "unknown"
+    model = imports.plain_name("model", str(cells.get("model") or "")) or "unknown"
     session_id = f"{SOURCE}-{imports.stable_id(_NAMESPACE, 'session', identity)}"
     occurred_at = row.occurred_at.isoformat()
     payload: dict[str, Any] = {
-        "model": model or "unknown",
-        "policy_version": model or "unknown",
+        "model": model,
+        "policy_version": model,
         "prompt": {"text": str(cells.get("prompt") or "")},
         "segments": [{"role": "assistant", "text": str(cells["response"])}],
         "conversation_id": turn[0] if turn else session_id,

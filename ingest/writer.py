@@ -580,10 +580,11 @@ def committed_before(
     stored = {(t, p): o for t in topics for p, o in load_offsets(session, group_id, t, cluster_id).items()}
     if any(stored.get(tp, -1) < o for tp, o in offsets.items()):
         return None
-    keys = {(d.topic, d.partition, d.offset) for d in prepared.items}
+    spans: dict[tuple[str, int], list[int]] = {}
+    for d in prepared.items:
+        spans.setdefault((d.topic, d.partition), []).append(d.offset)
     recorded: set[tuple[str, int, int]] = set()
-    for topic, partition in {(t, p) for t, p, _ in keys}:
-        span = [o for t, p, o in keys if (t, p) == (topic, partition)]
+    for (topic, partition), span in spans.items():
         rows = session.execute(
             select(DuplicateRow.offset).where(
                 DuplicateRow.topic == topic,

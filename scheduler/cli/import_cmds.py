@@ -58,11 +58,12 @@ def realhumaneval(
     A copied answer is an edit.accepted, one without a copy an edit.rejected (ingest.realhumaneval says
     why). Malformed rows are skipped and listed with their row, line and reason; the rest are sent.
     """
+    from ingest.imports import yesterday
     from ingest.realhumaneval import read_events
     from scheduler.cli.common import setup
 
     settings = setup()
-    start = _study_start(study_start, "--study-start") if study_start else _yesterday()
+    start = _study_start(study_start, "--study-start") if study_start else yesterday()
     with _readable(path):
         result = read_events(path, limit=limit, study_start=start, max_bytes=settings.kafka.max_message_bytes)
     _deliver(
@@ -108,6 +109,7 @@ def table(
     Example: undertow import table suggestions.jsonl --map user=uid,prompt=prefix,response=text,label=accepted
     Malformed rows are skipped and listed with their row, line and reason; the rest are sent.
     """
+    from ingest.imports import yesterday
     from ingest.table_import import ColumnMap, read_events
     from scheduler.cli.common import setup
 
@@ -116,7 +118,7 @@ def table(
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--map") from None
     settings = setup()
-    begin = _study_start(start, "--start") if start else _yesterday()
+    begin = _study_start(start, "--start") if start else yesterday()
     with _readable(path):
         result = read_events(
             path,
@@ -166,11 +168,6 @@ def _deliver(
         print_json(summary)
     else:
         _print_summary(summary)
-
-
-def _yesterday() -> datetime:
-    today = datetime.now(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
-    return today - timedelta(days=1)
 
 
 def _study_start(text: str, option: str) -> datetime:
