@@ -55,7 +55,11 @@ longer rounds (``--round-minutes 360``: four simulated days) retention becomes f
 session, when the session is four or more updates old (an update trains on sessions at most
 ``policy.max_staleness`` = 4 versions behind, so labels-only gets little of it), but in time for the
 reward model, which then carries it to fresh sessions (``docs/BENCHMARKS.md``, "Late
-retention").
+retention"). With rounds of four hours (``--round-minutes 240``: six updates a simulated day) a
+session's retention is final six or more updates after it, past the staleness limit: labels-only
+never trains on retention and the reward model is its only way into an update. ``--max-staleness``
+(both arms) lifts the limit, so labels-only can train on those late labels off-policy: the baseline
+that waits for the labels instead of predicting them.
 
 The room a reward signal has: the labels-only arm run with users who label nearly everything,
 nearly exactly (``--population select_rate=1 --population accept_rate=1 --population retention_rate=1
@@ -135,6 +139,9 @@ class AblationConfig:
     """Weight of the KL to the reference policy (``PolicyConfig.kl_coef``; 0: off)."""
     kl_reference: str = "base"
     """The KL's reference (``PolicyConfig.kl_reference``): ``base`` (v0) or ``parent``."""
+    max_staleness: int = 4
+    """Versions an update's sessions may lag its parent (``PolicyConfig.max_staleness``): older ones wait
+    no longer for their labels; a larger value lets labels-only train on late labels off-policy."""
     groups_per_step: int = 8
     """Units (candidate groups, or sessions alone) per optimizer step."""
     max_tokens: int = 48
@@ -390,6 +397,21 @@ def _retrain(engine: Any, rewards: Any, home: Path, now: datetime) -> dict[str, 
     return {"trained": True, "promoted": report.promoted, "status": report.status, "reason": report.reason[:160]}
 
 
+def policy_config(cfg: AblationConfig, seed: int) -> Any:
+    """Both arms' update settings (:class:`policy.config.PolicyConfig`) for ``seed``."""
+    from policy.config import PolicyConfig
+
+    return PolicyConfig(
+        seed=seed,
+        threads=1,
+        advantage=cfg.advantage,
+        kl_coef=cfg.kl_coef,
+        kl_reference=cfg.kl_reference,
+        rl_max_epochs=cfg.max_epochs,
+        max_staleness=cfg.max_staleness,
+    )
+
+
 def run_arm(
     arm: str, seed: int, cfg: AblationConfig, v0_path: str, workdir: str, progress: Any = None
 ) -> dict[str, Any]:
@@ -397,7 +419,6 @@ def run_arm(
     import torch
 
     from ingest.db import make_engine, upgrade
-    from policy.config import PolicyConfig
     from policy.evaluate import EvalConfig, evaluate
     from policy.model import load_checkpoint
     from policy.production import ProductionSession, TrainRequest, session_rewards
@@ -424,14 +445,7 @@ def run_arm(
         retrain_interval_s=10**9,
     )
     labels_only = rewards.model_copy(update={"rl_reward": "labels"})
-    policy = PolicyConfig(
-        seed=seed,
-        threads=1,
-        advantage=cfg.advantage,
-        kl_coef=cfg.kl_coef,
-        kl_reference=cfg.kl_reference,
-        rl_max_epochs=cfg.max_epochs,
-    )
+    policy = policy_config(cfg, seed)
     model, tokenizer = load_checkpoint(v0_path)
     version = version_id(0)
     pending = Pending()
@@ -707,6 +721,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[AblationConfig, argparse.
     p.add_argument("--max-epochs", type=float, default=d.max_epochs, help="passes over the data per update (0: no cap)")
     p.add_argument("--kl-coef", type=float, default=d.kl_coef, help="KL to the reference policy (0: off)")
     p.add_argument("--kl-reference", choices=("base", "parent"), default=d.kl_reference)
+    p.add_argument(
+        "--max-staleness",
+        type=int,
+        default=d.max_staleness,
+        help="versions an update's sessions may lag (both arms; larger: labels-only trains on late labels off-policy)",
+    )
     p.add_argument("--advantage", choices=("grpo", "reinforce", "rloo"), default=d.advantage)
     p.add_argument("--model-reward", choices=("probability", "best_of_group"), default=d.model_reward)
     p.add_argument("--groups-per-step", type=int, default=d.groups_per_step)
@@ -753,6 +773,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[AblationConfig, argparse.
         max_epochs=args.max_epochs,
         kl_coef=args.kl_coef,
         kl_reference=args.kl_reference,
+        max_staleness=args.max_staleness,
         advantage=args.advantage,
         model_reward=args.model_reward,
         labels_first=args.labels_first,

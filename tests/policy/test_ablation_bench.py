@@ -21,6 +21,7 @@ from sqlalchemy.engine import Engine
 
 from benchmarks import ablation
 from ingest.db import make_engine, upgrade
+from policy.config import PolicyConfig
 from policy.production import _reward_groups, rewards_with_source, session_rewards
 from reward_models.config import RewardsConfig
 from reward_models.data import load_sessions, load_signals
@@ -353,3 +354,10 @@ def test_command_line_overrides_population_knobs_and_refuses_bad_ones() -> None:
             ablation.parse_args(["--population", bad])
     with pytest.raises(ValueError, match="select_rate must be in"):  # the population's own validation
         ablation.make_population(ablation.parse_args(["--population", "select_rate=2"])[0], 0)
+
+
+def test_max_staleness_reaches_both_arms_updates() -> None:
+    cfg, _ = ablation.parse_args(["--max-staleness", "9", "--kl-coef", "0.05"])
+    policy = ablation.policy_config(cfg, 3)
+    assert (policy.max_staleness, policy.kl_coef, policy.seed) == (9, 0.05, 3)
+    assert ablation.policy_config(ablation.parse_args([])[0], 0).max_staleness == PolicyConfig().max_staleness
