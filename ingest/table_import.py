@@ -119,7 +119,7 @@ class _Row:
     line: int
     cells: dict[str, Any]
     occurred_at: datetime
-    identity: str = ""
+    identity: str
     """What its event ids derive from (:func:`_identity`)."""
 
 
@@ -164,8 +164,8 @@ def read_events(
             if isinstance(cells, BadRow):
                 raise cells
             checked = _checked_cells(cells, max_bytes)
-            row = _Row(number, line, checked, _when(checked, time_format, start, number))
-            row.identity = _identity(row)
+            when = _when(checked, time_format, start, number)
+            row = _Row(number, line, checked, when, _identity(number, checked, when))
             if row.identity in seen:
                 raise BadRow(f"the same identity as row {seen[row.identity]} (its id, or user, time and text)")
         except BadRow as exc:
@@ -324,14 +324,13 @@ def _label(value: Any) -> bool | None:
     raise BadRow(f"label {str(value)[:40]!r} is none of true/false, 1/0, yes/no, accepted/rejected (or empty)")
 
 
-def _identity(row: _Row) -> str:
-    cells = row.cells
+def _identity(number: int, cells: dict[str, Any], occurred_at: datetime) -> str:
     if cells.get("id") is not None and str(cells["id"]).strip():
         return f"id\x1f{str(cells['id']).strip()}"
     if "time" not in cells:
-        return f"row\x1f{row.number}"
+        return f"row\x1f{number}"
     text = f"{cells.get('prompt') or ''}\x1f{cells['response']}".encode("utf-8", "surrogateescape")
-    return f"{str(cells['user']).strip()}\x1f{row.occurred_at.isoformat()}\x1f{hashlib.sha256(text).hexdigest()[:32]}"
+    return f"{str(cells['user']).strip()}\x1f{occurred_at.isoformat()}\x1f{hashlib.sha256(text).hexdigest()[:32]}"
 
 
 def _turns(rows: list[_Row]) -> dict[int, tuple[str, int]]:

@@ -356,8 +356,35 @@ def test_command_line_overrides_population_knobs_and_refuses_bad_ones() -> None:
         ablation.make_population(ablation.parse_args(["--population", "select_rate=2"])[0], 0)
 
 
-def test_max_staleness_reaches_both_arms_updates() -> None:
-    cfg, _ = ablation.parse_args(["--max-staleness", "9", "--kl-coef", "0.05"])
-    policy = ablation.policy_config(cfg, 3)
-    assert (policy.max_staleness, policy.kl_coef, policy.seed) == (9, 0.05, 3)
+def test_max_staleness_decides_whether_an_update_waits_for_old_labels(db: tuple[str, Engine], tmp_path: Path) -> None:
+    """``--max-staleness``: labeled groups served by v0 reach an update from v3 only when the limit
+    is 3 or more (the baseline that trains on late labels off-policy); under it the update has none."""
+    from policy.model import build_model, save_checkpoint
+    from policy.production import ProductionSession, TrainRequest
+    from policy.tokenizer import default_tokenizer
+    from policy.versions import record_version
+
+    url, engine = db
+    tokenizer = default_tokenizer()
+    ckpt = save_checkpoint(build_model("tiny", len(tokenizer), seed=0), tokenizer, tmp_path / "v0")
+    for n in range(4):
+        parent = f"v000{n - 1}" if n else None
+        record_version(engine, version=f"v000{n}", parent=parent, step=n, checkpoint_path=ckpt, metrics={})
+    for tag in "ab":
+        events, ids = _group_events(tag)  # served by v0000
+        _store(engine, events)
+        picked = [Signal(1.0, "candidates.shown", 0, {}), Signal(20.0, "candidate.selected", 1, {})]
+        _store(engine, _signals(tag, picked, ids))
+    request = TrainRequest(base_version="v0003", steps=1, groups_per_step=2, eval=dict(ablation.NO_EVAL))
+    request = replace(request, now=ablation.T0 + timedelta(hours=1))
+    labels_only = RewardsConfig(rl_reward="labels")
+
+    def update(limit: int) -> ProductionSession:
+        cfg, _ = ablation.parse_args(["--max-staleness", str(limit)])
+        return ProductionSession(ablation.policy_config(cfg, 0), labels_only, url, tmp_path / "home", request)
+
+    with pytest.raises(RuntimeError, match="no rewarded session"):
+        update(2)
+    waiting = update(3)
+    assert {sid for batch in waiting.plan for sid, _ in batch} == {f"s-{t}-{i}" for t in "ab" for i in range(4)}
     assert ablation.policy_config(ablation.parse_args([])[0], 0).max_staleness == PolicyConfig().max_staleness
