@@ -12,7 +12,8 @@ One closed loop per seed and arm, in process, on a fresh SQLite database:
   ingest writer (:func:`ingest.writer.write_events`, what the consumer calls), spread over the round.
   A user of :class:`scheduler.demo.population.Population` is drawn per group and reacts; each signal
   is stored once the simulated clock passes its arrival. The round's update runs at its end, after
-  every due signal, before the 1 h retention of its sessions (let alone the day and the week) arrived.
+  every due signal, before the 1 h retention of its newest sessions (let alone the day and the week)
+  arrived.
 - **update**, the only difference between the arms (same steps, learning rate, groups per step and
   plan seeds; no held-out evaluation inside):
 
@@ -49,9 +50,12 @@ agreement) and ``groups_mixing_sources`` (trained groups where some candidates h
 others the model's score). ``--workers`` runs (seed, arm) jobs in parallel processes, one torch
 thread each.
 
-Retention: with the default twelve simulated hours no session reaches its final (one-day) retention
-horizon, so the labels are selections, accepts and rejects, and model switches; both arms alike. With
-longer rounds (``--round-minutes 360``: four simulated days) retention becomes final a day after its
+Retention: labels use the retention measured so far (``rewards.retention_require_final`` false, the
+default), so a session's 1 h retention reaches the updates a round or two after it in both arms, and
+a later horizon revises it. ``--rewards retention_require_final=true`` makes labels wait for the
+longest horizon (one day), as the product did before 2026-12-06; what follows is that case. With
+the default twelve simulated hours no session reaches its final retention horizon, so the labels
+are selections, accepts and rejects, and model switches; both arms alike. With longer rounds (``--round-minutes 360``: four simulated days) retention becomes final a day after its
 session, when the session is four or more updates old (an update trains on sessions at most
 ``policy.max_staleness`` = 4 versions behind, so labels-only gets little of it), but in time for the
 reward model, which then carries it to fresh sessions (``docs/BENCHMARKS.md``, "Late
@@ -59,7 +63,8 @@ retention"). With rounds of four hours (``--round-minutes 240``: six updates a s
 session's retention is final six or more updates after it, past the staleness limit: labels-only
 never trains on retention and the reward model is its only way into an update. ``--max-staleness``
 (both arms) lifts the limit, so labels-only can train on those late labels off-policy: the baseline
-that waits for the labels instead of predicting them.
+that waits for the labels instead of predicting them. The default (labels use retention measured so
+far) is the baseline that does not wait at all (``docs/BENCHMARKS.md``, "Retention measured so far").
 
 The room a reward signal has: the labels-only arm run with users who label nearly everything,
 nearly exactly (``--population select_rate=1 --population accept_rate=1 --population retention_rate=1
@@ -131,6 +136,9 @@ class AblationConfig:
     """The reward model sees the served logprobs when it scores for RL (``RewardsConfig.rl_score_confidence``)."""
     population: tuple[tuple[str, float], ...] = ()
     """Overrides of :class:`scheduler.demo.population.PopulationConfig` knobs (name, value)."""
+    rewards: tuple[tuple[str, float | bool], ...] = ()
+    """Overrides of :class:`reward_models.config.RewardsConfig` settings of both arms (name, value), e.g.
+    ``retention_require_final=False``: labels and the reward model use retention measured so far."""
     lr: float = 3e-4
     """Learning rate of the updates."""
     max_epochs: float = 0.0
@@ -412,6 +420,22 @@ def policy_config(cfg: AblationConfig, seed: int) -> Any:
     )
 
 
+def rewards_config(cfg: AblationConfig, arm: str) -> Any:
+    """An arm's reward settings (:class:`reward_models.config.RewardsConfig`): its reward source, the
+    retrain rule (age trigger off) and the ``--rewards`` overrides both arms share."""
+    from reward_models.config import RewardsConfig
+
+    return RewardsConfig(
+        rl_reward=arm,
+        rl_model_reward=cfg.model_reward,
+        rl_labels_first=cfg.labels_first,
+        rl_score_confidence=cfg.score_confidence,
+        retrain_min_new_labels=cfg.rm_min_new_labels,
+        retrain_interval_s=10**9,
+        **dict(cfg.rewards),
+    )
+
+
 def run_arm(
     arm: str, seed: int, cfg: AblationConfig, v0_path: str, workdir: str, progress: Any = None
 ) -> dict[str, Any]:
@@ -423,7 +447,6 @@ def run_arm(
     from policy.model import load_checkpoint
     from policy.production import ProductionSession, TrainRequest, session_rewards
     from policy.versions import record_version, version_id
-    from reward_models.config import RewardsConfig
     from reward_models.registry import current_promoted
     from scheduler.runtime.logs import configure_logging
 
@@ -436,14 +459,7 @@ def run_arm(
     engine = make_engine(url)
     record_version(engine, version=version_id(0), parent=None, step=0, checkpoint_path=Path(v0_path), metrics={})
     population = make_population(cfg, seed)
-    rewards = RewardsConfig(
-        rl_reward=arm,
-        rl_model_reward=cfg.model_reward,
-        rl_labels_first=cfg.labels_first,
-        rl_score_confidence=cfg.score_confidence,
-        retrain_min_new_labels=cfg.rm_min_new_labels,
-        retrain_interval_s=10**9,
-    )
+    rewards = rewards_config(cfg, arm)
     labels_only = rewards.model_copy(update={"rl_reward": "labels"})
     policy = policy_config(cfg, seed)
     model, tokenizer = load_checkpoint(v0_path)
@@ -693,6 +709,7 @@ def run(cfg: AblationConfig, v0: Path | None, home: Path, keep: Path | None = No
             "simulated_minutes_per_round": cfg.round_minutes,
             "population": "scheduler.demo.population.PopulationConfig() defaults"
             + "".join(f", {k}={v}" for k, v in cfg.population),
+            "rewards": "reward_models.config.RewardsConfig() defaults" + "".join(f", {k}={v}" for k, v in cfg.rewards),
             "retrain_rule": "reward_models.triggers.retrain_decision: no promoted model, or >= "
             f"{cfg.rm_min_new_labels} labeled sessions newer than its window (age and drift triggers off)",
             "eval": f"{cfg.eval_per_tier} held-out tasks per tier x 3 tiers x {cfg.eval_samples} samples, "
@@ -749,6 +766,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[AblationConfig, argparse.
         metavar="KNOB=VALUE",
         help="override a PopulationConfig knob, e.g. select_rate=0.2 (repeatable)",
     )
+    p.add_argument(
+        "--rewards",
+        action="append",
+        default=[],
+        metavar="KNOB=VALUE",
+        help="override a numeric or boolean RewardsConfig setting of both arms, e.g. "
+        "retention_require_final=false (repeatable)",
+    )
     p.add_argument("--sft-steps", type=int, default=d.sft_steps, help="warm-up steps of v0 (cached)")
     p.add_argument("--eval-per-tier", type=int, default=d.eval_per_tier)
     p.add_argument("--eval-samples", type=int, default=d.eval_samples)
@@ -779,6 +804,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[AblationConfig, argparse.
         labels_first=args.labels_first,
         score_confidence=args.score_confidence,
         population=tuple(_knob(item) for item in args.population),
+        rewards=tuple(_rewards_knob(item) for item in args.rewards),
         groups_per_step=args.groups_per_step,
         sft_steps=args.sft_steps,
         eval_per_tier=args.eval_per_tier,
@@ -801,6 +827,24 @@ def _knob(item: str) -> tuple[str, float]:
         return name, type(default)(value)
     except ValueError:
         raise SystemExit(f"--population {name}: {value!r} is not a {type(default).__name__}") from None
+
+
+def _rewards_knob(item: str) -> tuple[str, float | bool]:
+    """``name=value`` of a numeric or boolean RewardsConfig setting (``true``/``false`` for a boolean)."""
+    from reward_models.config import RewardsConfig
+
+    name, sep, value = item.partition("=")
+    default = getattr(RewardsConfig(), name, None) if sep else None
+    if isinstance(default, bool):
+        if value.lower() not in ("true", "false"):
+            raise SystemExit(f"--rewards {name}: {value!r} is not true or false")
+        return name, value.lower() == "true"
+    if not isinstance(default, int | float):
+        raise SystemExit(f"--rewards expects KNOB=VALUE with a numeric or boolean RewardsConfig setting, got {item!r}")
+    try:
+        return name, type(default)(value)
+    except ValueError:
+        raise SystemExit(f"--rewards {name}: {value!r} is not a {type(default).__name__}") from None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -65,8 +65,12 @@ class RewardsConfig(BaseModel):
     """Weight of each retention horizon (seconds) in the combined label: longer horizons weigh more."""
     retention_grace_s: int = Field(default=3600, ge=0)
     """How long after the longest horizon elapsed a missing measurement is awaited before finalizing."""
-    retention_require_final: bool = True
-    """Train only on sessions whose longest horizon was measured or has elapsed (no premature rejects)."""
+    retention_require_final: bool = False
+    """False: labels (the composite reward RL trains on) and the heads use the retention measured so far,
+    and a later horizon revises it: a session's first horizon (1 h) reaches the next update, where waiting
+    for the longest one put it past every update that needed it (docs/BENCHMARKS.md, "Retention
+    measured so far"). True: only sessions whose longest horizon was measured or has elapsed (no label
+    revised later). The reward-hacking guards judge on final retention either way."""
     positive_threshold: float = Field(default=0.5, ge=0.0, le=1.0)
     """A retention or acceptance label at or above this counts as positive for the classifiers."""
     churn_window_s: int = Field(default=7 * 86400, gt=0)

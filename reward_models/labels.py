@@ -9,7 +9,8 @@ late, repeated or early signals change exactly what they should:
   once: the latest by ``occurred_at`` wins (event-id ties broken by id), never the sum;
 - a retention horizon that has not elapsed yet is *pending*, not zero: the combined label uses
   only measured horizons, and a session is *final* only once its longest configured horizon was
-  measured or has elapsed plus a grace period. Training uses final labels by default.
+  measured or has elapsed plus a grace period. Labels use what was measured so far by default
+  (``rewards.retention_require_final``: only final ones); the guards use final retention.
 
 Only the user a session was served to labels it: a signal naming another user is ignored and
 counted (``foreign_user_signals``; ``rewards.require_session_user``). The gateway refuses such
@@ -367,10 +368,9 @@ def build_labels(
     labels = labels.join(session_signal_labels(sessions, signals, config))
     if judge_scores is not None and not judge_scores.empty:
         labels = labels.join(judge_scores, how="left")
-    if not config.retention_require_final:
-        labels["retention_final"] = labels["retention"].notna()
     masked = labels.copy()
-    masked.loc[~masked["retention_final"].astype(bool), "retention"] = np.nan
+    if config.retention_require_final:
+        masked.loc[~masked["retention_final"].astype(bool), "retention"] = np.nan
     labels["reward"] = composite(masked.drop(columns=["retention_final", "retention_horizons"]), config.weights)
     bias = position_bias(pairs)
     pairs = pairs.assign(weight=pair_weights(pairs, bias) if config.position_correction else 1.0)

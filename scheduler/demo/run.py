@@ -125,8 +125,9 @@ def eval_fields(opts: DemoOptions) -> dict[str, int]:
 
 
 def _retention_weights(opts: DemoOptions) -> dict[str, float]:
-    """Retention horizons the labels weigh: the population's (1 h, 1 day, 1 week of simulated time,
-    mostly after the update that needs them) or the deterministic developers' (1, 10, 60 minutes)."""
+    """Retention horizons the labels weigh: the population's (1 h, 1 day, 1 week of simulated time: the
+    first reaches the next update, the others mostly arrive after it) or the deterministic developers'
+    (1, 10, 60 minutes)."""
     if opts.population:
         from scheduler.demo.population import PopulationConfig
 

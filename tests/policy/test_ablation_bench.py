@@ -97,7 +97,8 @@ def test_partial_signals_are_no_label_and_a_selection_labels_the_whole_group(db:
         + _signals("c", [Signal(1.0, "candidates.shown", 0, {}), Signal(20.0, "candidate.selected", 1, {})], ids_c),
     )
     now = ablation.T0 + timedelta(hours=2)  # the 1 h horizon measured, the day not yet
-    labels = build_labels(load_sessions(engine), load_signals(engine), RewardsConfig(), now).sessions
+    waiting = RewardsConfig(retention_require_final=True)  # labels wait for the longest horizon
+    labels = build_labels(load_sessions(engine), load_signals(engine), waiting, now).sessions
     # Shown without a selection: no candidate lost anything.
     assert labels.loc[ids_a, "selection"].isna().all() and labels.loc[ids_a, "reward"].isna().all()
     # Thumbs (weight 0) and a retention whose longest horizon is pending: no reward yet, not a zero.
@@ -105,11 +106,14 @@ def test_partial_signals_are_no_label_and_a_selection_labels_the_whole_group(db:
     assert not labels.loc[ids_b[2], "retention_final"] and labels.loc[ids_b, "reward"].isna().all()
     # A reported selection: the chosen candidate wins, the other three shown with it lose.
     assert labels.loc[ids_c, "reward"].tolist() == [0.0, 1.0, 0.0, 0.0]
-    rewards = session_rewards(engine, RewardsConfig(rl_reward="labels"), now)
+    labels_only = waiting.model_copy(update={"rl_reward": "labels"})
+    rewards = session_rewards(engine, labels_only, now)
     assert set(rewards) == set(ids_c)
-    later = session_rewards(engine, RewardsConfig(rl_reward="labels"), now + timedelta(days=1))
+    later = session_rewards(engine, labels_only, now + timedelta(days=1))
     assert later[ids_b[2]] == 0.0  # a day and the grace later, the measured retention is final
     assert not set(later) & set(ids_a)
+    # by default the label does not wait: the 1 h retention (nothing kept) is the reward two hours on
+    assert session_rewards(engine, RewardsConfig(rl_reward="labels"), now)[ids_b[2]] == 0.0
 
 
 def test_rl_reward_switch_scores_unlabeled_sessions_only_when_assisted(db: tuple[str, Engine], tmp_path: Path) -> None:
@@ -354,6 +358,28 @@ def test_command_line_overrides_population_knobs_and_refuses_bad_ones() -> None:
             ablation.parse_args(["--population", bad])
     with pytest.raises(ValueError, match="select_rate must be in"):  # the population's own validation
         ablation.make_population(ablation.parse_args(["--population", "select_rate=2"])[0], 0)
+
+
+def test_rewards_overrides_reach_both_arms_labels(db: tuple[str, Engine]) -> None:
+    """``--rewards retention_require_final=true``: a session whose only label is its 1 h retention has no
+    reward two hours on in either arm (labels wait a day for the longest horizon); by default it has."""
+    _, engine = db
+    events, ids = _group_events("r")
+    kept = [Signal(3700.0, "code.retained", i, {"horizon_s": 3600, "lines_written": 4, "lines_retained": 4 - i})
+            for i in range(4)]  # fmt: skip
+    _store(engine, events + _signals("r", kept, ids))
+    now = ablation.T0 + timedelta(hours=2)
+    cfg, _ = ablation.parse_args(["--rewards", "retention_require_final=true", "--rewards", "min_train_rows=5"])
+    assert cfg.rewards == (("retention_require_final", True), ("min_train_rows", 5))
+    for arm in ablation.ARMS:
+        rewards = ablation.rewards_config(cfg, arm)
+        assert rewards.rl_reward == arm and rewards.min_train_rows == 5
+        assert session_rewards(engine, rewards, now) == {}
+        got = session_rewards(engine, ablation.rewards_config(ablation.parse_args([])[0], arm), now)
+        assert sorted(got) == ids and got[ids[0]] > got[ids[1]] > got[ids[3]]
+    for bad in ("retention_require_final=maybe", "nosuch=1", "min_train_rows=two", "rl_reward=labels", "weights"):
+        with pytest.raises(SystemExit, match="--rewards"):
+            ablation.parse_args(["--rewards", bad])
 
 
 def test_max_staleness_decides_whether_an_update_waits_for_old_labels(db: tuple[str, Engine], tmp_path: Path) -> None:

@@ -62,7 +62,10 @@ def test_pending_long_horizon_is_not_a_reject(engine: Engine, load_events: Any) 
         1.0
     )  # measured horizons only, never a zero for the pending one
     assert not early.loc["s1", "retention_final"]
-    assert np.isnan(early.loc["s1", "reward"])  # not final: not in the composite yet
+    assert early.loc["s1", "reward"] == pytest.approx(1.0)  # by default the composite uses what was measured
+    waiting = labels_at(engine, T0 + timedelta(hours=2), RewardsConfig(retention_require_final=True))
+    assert not waiting.loc["s1", "retention_final"]
+    assert np.isnan(waiting.loc["s1", "reward"])  # waiting for the longest horizon: not in the composite yet
     late_no_signal = labels_at(engine, T0 + timedelta(days=1, hours=2))
     assert late_no_signal.loc["s1", "retention_final"]  # horizon and grace elapsed: what was measured is final
     load_events(engine, [retained("s1", 86400, 0)])

@@ -232,7 +232,7 @@ def test_a_late_label_is_held_out_on_its_own_newest_sessions_and_the_model_can_b
     now = START + timedelta(seconds=span + 3600)
     events, _ = generate_events(600, seed=11, start=START, span_s=span, now=now)
     load_events(sqlite_engine, [e for e in events if e["type"] not in ("edit.accepted", "edit.rejected")])
-    config = RewardsConfig()
+    config = RewardsConfig(retention_require_final=True)  # labels wait for the longest horizon
     report = train_reward_models(sqlite_engine, config, tmp_path, now=now)
     assert report.status == registry.PROMOTED, report.reason
 
