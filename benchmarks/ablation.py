@@ -51,20 +51,21 @@ others the model's score). ``--workers`` runs (seed, arm) jobs in parallel proce
 thread each.
 
 Retention: labels use the retention measured so far (``rewards.retention_require_final`` false, the
-default), so a session's 1 h retention reaches the updates a round or two after it in both arms, and
-a later horizon revises it. ``--rewards retention_require_final=true`` makes labels wait for the
-longest horizon (one day), as the product did before 2026-12-06; what follows is that case. With
-the default twelve simulated hours no session reaches its final retention horizon, so the labels
-are selections, accepts and rejects, and model switches; both arms alike. With longer rounds (``--round-minutes 360``: four simulated days) retention becomes final a day after its
-session, when the session is four or more updates old (an update trains on sessions at most
-``policy.max_staleness`` = 4 versions behind, so labels-only gets little of it), but in time for the
-reward model, which then carries it to fresh sessions (``docs/BENCHMARKS.md``, "Late
-retention"). With rounds of four hours (``--round-minutes 240``: six updates a simulated day) a
-session's retention is final six or more updates after it, past the staleness limit: labels-only
-never trains on retention and the reward model is its only way into an update. ``--max-staleness``
-(both arms) lifts the limit, so labels-only can train on those late labels off-policy: the baseline
-that waits for the labels instead of predicting them. The default (labels use retention measured so
-far) is the baseline that does not wait at all (``docs/BENCHMARKS.md``, "Retention measured so far").
+default), so a session's 1 h retention reaches the updates a round or two after it in both arms, and a
+later horizon revises it. ``--rewards retention_require_final=true`` makes labels wait for the longest
+horizon (one day), as the product did before 2026-12-06; what follows is that case. With the default
+twelve simulated hours no session reaches its final retention horizon, so the labels are selections,
+accepts and rejects, and model switches; both arms alike. With longer rounds (``--round-minutes 360``:
+four simulated days) retention becomes final a day after its session, when the session is four or more
+updates old (an update trains on sessions at most ``policy.max_staleness`` = 4 versions behind, so
+labels-only gets little of it), but in time for the reward model, which then carries it to fresh
+sessions (``docs/BENCHMARKS.md``, "Late retention"). With rounds of four hours (``--round-minutes 240``:
+six updates a simulated day) a session's retention is final six or more updates after it, past the
+staleness limit: labels-only never trains on retention and the reward model is its only way into an
+update. ``--max-staleness`` (both arms) lifts the limit, so labels-only can train on those late labels
+off-policy: the baseline that waits for the labels instead of predicting them. The default (labels use
+retention measured so far) is the baseline that does not wait at all (``docs/BENCHMARKS.md``, "Retention
+measured so far").
 
 The room a reward signal has: the labels-only arm run with users who label nearly everything,
 nearly exactly (``--population select_rate=1 --population accept_rate=1 --population retention_rate=1
