@@ -135,11 +135,11 @@ class AblationConfig:
     (``RewardsConfig.rl_labels_first``)."""
     score_confidence: bool = True
     """The reward model sees the served logprobs when it scores for RL (``RewardsConfig.rl_score_confidence``)."""
-    population: tuple[tuple[str, float], ...] = ()
+    population: tuple[tuple[str, float | bool], ...] = ()
     """Overrides of :class:`scheduler.demo.population.PopulationConfig` knobs (name, value)."""
     rewards: tuple[tuple[str, float | bool], ...] = ()
     """Overrides of :class:`reward_models.config.RewardsConfig` settings of both arms (name, value), e.g.
-    ``retention_require_final=False``: labels and the reward model use retention measured so far."""
+    ``retention_require_final=True``: labels and the retention head wait for retention's longest horizon."""
     lr: float = 3e-4
     """Learning rate of the updates."""
     max_epochs: float = 0.0
@@ -816,36 +816,36 @@ def parse_args(argv: list[str] | None = None) -> tuple[AblationConfig, argparse.
     return cfg, args
 
 
-def _knob(item: str) -> tuple[str, float]:
-    """``name=value`` of a numeric PopulationConfig knob (an integer knob stays an integer)."""
-    from scheduler.demo.population import PopulationConfig
-
+def _override(item: str, defaults: Any, option: str) -> tuple[str, float | bool]:
+    """``name=value`` of a numeric or boolean field of ``defaults`` (a config object) given to ``option``:
+    an integer stays an integer, a boolean is ``true`` or ``false``; anything else exits with the reason."""
     name, sep, value = item.partition("=")
-    default = getattr(PopulationConfig(), name, None) if sep else None
+    default = getattr(defaults, name, None) if sep else None
+    kind = type(defaults).__name__
+    if isinstance(default, bool):
+        if value.lower() not in ("true", "false"):
+            raise SystemExit(f"{option} {name}: {value!r} is not true or false")
+        return name, value.lower() == "true"
     if not isinstance(default, int | float):
-        raise SystemExit(f"--population expects KNOB=VALUE with a numeric PopulationConfig knob, got {item!r}")
+        raise SystemExit(f"{option} expects KNOB=VALUE with a numeric or boolean {kind} setting, got {item!r}")
     try:
         return name, type(default)(value)
     except ValueError:
-        raise SystemExit(f"--population {name}: {value!r} is not a {type(default).__name__}") from None
+        raise SystemExit(f"{option} {name}: {value!r} is not a {type(default).__name__}") from None
+
+
+def _knob(item: str) -> tuple[str, float | bool]:
+    """``--population name=value``: a PopulationConfig knob."""
+    from scheduler.demo.population import PopulationConfig
+
+    return _override(item, PopulationConfig(), "--population")
 
 
 def _rewards_knob(item: str) -> tuple[str, float | bool]:
-    """``name=value`` of a numeric or boolean RewardsConfig setting (``true``/``false`` for a boolean)."""
+    """``--rewards name=value``: a RewardsConfig setting of both arms."""
     from reward_models.config import RewardsConfig
 
-    name, sep, value = item.partition("=")
-    default = getattr(RewardsConfig(), name, None) if sep else None
-    if isinstance(default, bool):
-        if value.lower() not in ("true", "false"):
-            raise SystemExit(f"--rewards {name}: {value!r} is not true or false")
-        return name, value.lower() == "true"
-    if not isinstance(default, int | float):
-        raise SystemExit(f"--rewards expects KNOB=VALUE with a numeric or boolean RewardsConfig setting, got {item!r}")
-    try:
-        return name, type(default)(value)
-    except ValueError:
-        raise SystemExit(f"--rewards {name}: {value!r} is not a {type(default).__name__}") from None
+    return _override(item, RewardsConfig(), "--rewards")
 
 
 def main(argv: list[str] | None = None) -> None:
