@@ -423,18 +423,19 @@ def policy_config(cfg: AblationConfig, seed: int) -> Any:
 
 def rewards_config(cfg: AblationConfig, arm: str) -> Any:
     """An arm's reward settings (:class:`reward_models.config.RewardsConfig`): its reward source, the
-    retrain rule (age trigger off) and the ``--rewards`` overrides both arms share."""
+    retrain rule (age trigger off) and the ``--rewards`` overrides both arms share (an override of a
+    setting another option gives wins)."""
     from reward_models.config import RewardsConfig
 
-    return RewardsConfig(
-        rl_reward=arm,
-        rl_model_reward=cfg.model_reward,
-        rl_labels_first=cfg.labels_first,
-        rl_score_confidence=cfg.score_confidence,
-        retrain_min_new_labels=cfg.rm_min_new_labels,
-        retrain_interval_s=10**9,
-        **dict(cfg.rewards),
-    )
+    base: dict[str, Any] = {
+        "rl_reward": arm,
+        "rl_model_reward": cfg.model_reward,
+        "rl_labels_first": cfg.labels_first,
+        "rl_score_confidence": cfg.score_confidence,
+        "retrain_min_new_labels": cfg.rm_min_new_labels,
+        "retrain_interval_s": 10**9,
+    }
+    return RewardsConfig(**{**base, **dict(cfg.rewards)})
 
 
 def run_arm(
@@ -813,6 +814,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[AblationConfig, argparse.
         rm_min_new_labels=args.rm_min_new_labels,
         workers=args.workers,
     )
+    from pydantic import ValidationError
+
+    try:  # an override out of its setting's range fails here, not in a worker after the warm-up
+        rewards_config(cfg, ARMS[0])
+    except ValidationError as exc:
+        why = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise SystemExit(f"--rewards: {why}") from None
     return cfg, args
 
 

@@ -380,6 +380,12 @@ def test_rewards_overrides_reach_both_arms_labels(db: tuple[str, Engine]) -> Non
     for bad in ("retention_require_final=maybe", "nosuch=1", "min_train_rows=two", "rl_reward=labels", "weights"):
         with pytest.raises(SystemExit, match="--rewards"):
             ablation.parse_args(["--rewards", bad])
+    # out of its range: refused while parsing, before any work
+    with pytest.raises(SystemExit, match="--rewards: min_train_rows: Input should be greater than or equal to 2"):
+        ablation.parse_args(["--rewards", "min_train_rows=1"])
+    # a setting another option gives: the override wins instead of a clash
+    cfg, _ = ablation.parse_args(["--rm-min-new-labels", "50", "--rewards", "retrain_min_new_labels=7"])
+    assert ablation.rewards_config(cfg, "assisted").retrain_min_new_labels == 7
 
 
 def test_max_staleness_decides_whether_an_update_waits_for_old_labels(db: tuple[str, Engine], tmp_path: Path) -> None:
