@@ -29,7 +29,8 @@ One closed loop per seed and arm, in process, on a fresh SQLite database:
 
   An update with nothing to train on (no rewarded session yet) is skipped and counted. Options of
   both arms' updates: ``--kl-coef`` (KL to v0), ``--max-epochs`` (passes over the data an update takes
-  at most); of the assisted arm: ``--no-score-confidence`` (the model scores without the served logprobs).
+  at most), ``--advantage`` (``grpo_batch``: the group's mean, the batch's std); of the assisted arm:
+  ``--no-score-confidence`` (the model scores without the served logprobs).
 - **score**: v0 (once) and each arm's last version on the held-out tasks (single completions,
   ``--eval-per-tier`` tasks per tier, ``--eval-samples`` each, the evaluator's fixed seed), scored by
   :meth:`Population.expected_utility` from the keep and pass rates. Gain in points: ``100 x (final -
@@ -45,10 +46,13 @@ keep and pass rates, the sessions trained on and where their rewards came from (
 reward model), the reward models trained and promoted; the per-seed difference; whether assisted beat
 labels-only by more than the spread (``verdict.rule``); the conditions and the wall time. Diagnostics,
 from the true utility this process kept: ``reward_quality`` (per reward source, how well the rewards
-the updates trained with track the true utility: Pearson correlation and within-group pairwise
-agreement) and ``groups_mixing_sources`` (trained groups where some candidates had a label and the
-others the model's score). ``--workers`` runs (seed, arm) jobs in parallel processes, one torch
-thread each.
+the updates trained with track the true utility: Pearson correlation, within-group pairwise
+agreement, and the advantages as the updates computed them: their cosine with the true centred
+utilities, the share of trained groups whose true utilities all tie, and the share of the advantages'
+squared norm on those groups, which GRPO's per-group scaling gives a full unit of push in whatever
+direction the reward's noise points) and ``groups_mixing_sources`` (trained groups where some
+candidates had a label and the others the model's score). ``--workers`` runs (seed, arm) jobs in
+parallel processes, one torch thread each.
 
 Retention: labels use the retention measured so far (``rewards.retention_require_final`` false, the
 default), so a session's 1 h retention reaches the updates a round or two after it in both arms, and a
@@ -127,7 +131,7 @@ class AblationConfig:
     steps: int = 8
     """Optimizer steps per update."""
     advantage: str = "grpo"
-    """Advantage estimator of both arms (``PolicyConfig.advantage``: grpo, reinforce, rloo)."""
+    """Advantage estimator of both arms (``PolicyConfig.advantage``: grpo, grpo_batch, reinforce, rloo)."""
     model_reward: str = "probability"
     """How the assisted arm rewards a group the reward model scores (``RewardsConfig.rl_model_reward``)."""
     labels_first: bool = True
@@ -354,11 +358,14 @@ def _serve_round(
     return sessions, signals, served, truth
 
 
-def reward_quality(records: list[tuple[str, str, float, float]]) -> dict[str, dict[str, float | int | None]]:
+def reward_quality(
+    records: list[tuple[str, str, float, float]], method: str = "grpo"
+) -> dict[str, dict[str, float | int | None]]:
     """How well each reward source tracks the true utility, over ``(group, source, reward, utility)`` of
     the trained sessions: Pearson correlation, and the within-group pairwise agreement (pairs of one
     group and one source whose true utilities differ: 1 when the rewards order them alike, 0.5 on a
-    reward tie), which is what a group-relative advantage uses."""
+    reward tie), which is what a group-relative advantage uses; and :func:`advantage_alignment` under
+    the updates' ``method``."""
     import numpy as np
 
     from benchmarks.rm_features import pairwise_accuracy
@@ -377,8 +384,57 @@ def reward_quality(records: list[tuple[str, str, float, float]]) -> dict[str, di
             "pearson": pearson,
             "pairs": pairs,
             "pairwise_agreement": agreement if pairs else None,
+            **advantage_alignment(rows, method),
         }
     return out
+
+
+def advantage_alignment(
+    rows: list[tuple[str, str, float, float]], method: str = "grpo"
+) -> dict[str, float | int | None]:
+    """Where the advantages of ``(round/group, source, reward, utility)`` rows point, computed as the
+    update computes them (``method``, per round): their cosine with the groups' centred true utilities
+    (1: the update's direction is the true one), the share of groups of 2 or more whose true utilities
+    all tie (no true direction at all), and the share of the advantages' squared norm on those groups
+    (what the update follows that is noise only). Sessions alone (no group to compare with) are left out."""
+    import numpy as np
+
+    from policy.advantages import compute_advantages
+
+    members: dict[str, list[tuple[float, float]]] = {}
+    for group, _, reward, utility in rows:
+        members.setdefault(group, []).append((reward, utility))
+    by_round: dict[str, list[str]] = {}
+    for group, items in members.items():
+        if len(items) >= 2:
+            by_round.setdefault(group.split("/", 1)[0], []).append(group)
+    dot = adv_sq = true_sq = tied_sq = 0.0
+    groups = tied = 0
+    for names in by_round.values():
+        keys = [name for name in names for _ in members[name]]
+        rewards = [reward for name in names for reward, _ in members[name]]
+        advantages = compute_advantages(rewards, keys, [""] * len(keys), method=method)
+        at = 0
+        for name in names:
+            n = len(members[name])
+            adv = np.array(advantages[at : at + n])
+            at += n
+            utils = np.array([u for _, u in members[name]], dtype=float)
+            centred = utils - utils.mean()
+            groups += 1
+            dot += float(adv @ centred)
+            adv_sq += float(adv @ adv)
+            true_sq += float(centred @ centred)
+            if np.ptp(utils) == 0:
+                tied += 1
+                tied_sq += float(adv @ adv)
+    cosine = dot / float(np.sqrt(adv_sq * true_sq)) if adv_sq > 0 and true_sq > 0 else None
+    return {
+        "advantage_cosine": cosine,
+        "groups": groups,
+        "tied_groups_share": tied / groups if groups else None,
+        "advantage_on_tied_groups": tied_sq / adv_sq if adv_sq > 0 else None,
+    }
 
 
 def mixed_groups(records: list[tuple[str, str, float, float]]) -> dict[str, float | int]:
@@ -535,7 +591,7 @@ def run_arm(
         "pass_rate": final["eval/pass_rate"],
         "utility": population.expected_utility(final["eval/keep_rate"], final["eval/pass_rate"]),
         "rounds": rounds,
-        "reward_quality": reward_quality(quality),
+        "reward_quality": reward_quality(quality, cfg.advantage),
         "groups_mixing_sources": mixed_groups(quality),
         "database": url,
     }
@@ -611,9 +667,15 @@ def _arm_summary(runs: list[dict[str, Any]], v0_utility: dict[int, float]) -> di
             source: {
                 "sessions": sum(int(r["reward_quality"][source]["sessions"] or 0) for r in runs),
                 "pearson_mean_over_seeds": _mean_of(r["reward_quality"][source]["pearson"] for r in runs),
-                "pairwise_agreement_mean_over_seeds": _mean_of(
-                    r["reward_quality"][source]["pairwise_agreement"] for r in runs
-                ),
+                **{
+                    f"{key}_mean_over_seeds": _mean_of(r["reward_quality"][source].get(key) for r in runs)
+                    for key in (
+                        "pairwise_agreement",
+                        "advantage_cosine",
+                        "tied_groups_share",
+                        "advantage_on_tied_groups",
+                    )
+                },
             }
             for source in ("label", "reward_model")
         },
@@ -726,6 +788,8 @@ def run(cfg: AblationConfig, v0: Path | None, home: Path, keep: Path | None = No
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[AblationConfig, argparse.Namespace]:
+    from policy.advantages import METHODS
+
     d = AblationConfig()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument(
@@ -746,7 +810,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[AblationConfig, argparse.
         default=d.max_staleness,
         help="versions an update's sessions may lag (both arms; larger: labels-only trains on late labels off-policy)",
     )
-    p.add_argument("--advantage", choices=("grpo", "reinforce", "rloo"), default=d.advantage)
+    p.add_argument("--advantage", choices=METHODS, default=d.advantage)
     p.add_argument("--model-reward", choices=("probability", "best_of_group"), default=d.model_reward)
     p.add_argument("--groups-per-step", type=int, default=d.groups_per_step)
     p.add_argument(

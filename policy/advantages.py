@@ -4,6 +4,11 @@
   OpenRLHF ``group_norm``): ``A_i = (r_i - mean(r)) / (std(r) + eps)`` over the G rollouts of
   one prompt, with the unbiased (n-1) standard deviation as TRL and OpenRLHF compute it.
   Rewards ``[1, 0, 0, 1]``, eps ``1e-4``: ``A = [+0.8658754, -0.8658754, -0.8658754, +0.8658754]``.
+- GRPO with the batch's scale (``grpo_batch``; TRL's ``scale_rewards="batch"``): each reward less its
+  group's mean, divided by the std of every grouped reward in the batch (not the group's own). A group
+  whose rewards barely differ keeps small advantages instead of unit-size ones: with a continuous
+  reward (a reward model's probability) a group of near ties would otherwise push as hard as a group
+  with a real winner, in whatever direction the reward's small errors point.
 - REINFORCE with a baseline (Williams 1992): ``A_i = r_i - b``; ``b`` is the group mean when
   the rollout belongs to a candidate group (with ``leave_one_out``, the mean of the *other*
   members: RLOO, Ahmadian et al. 2024), else a running per-context baseline
@@ -17,6 +22,9 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+METHODS = ("grpo", "grpo_batch", "reinforce", "rloo")
+"""Advantage estimators :func:`compute_advantages` knows."""
 
 
 def group_normalized(rewards: torch.Tensor, eps: float = 1e-4, unbiased: bool = True) -> torch.Tensor:
@@ -75,23 +83,30 @@ def compute_advantages(
     eps: float = 1e-4,
     baseline: RunningBaseline | None = None,
 ) -> list[float]:
-    """Advantages for a batch: grouped rollouts by ``method`` (``grpo``, ``reinforce``, ``rloo``),
+    """Advantages for a batch: grouped rollouts by ``method`` (:data:`METHODS`),
     ungrouped ones (and groups of one) against ``baseline`` (a fresh one when None)."""
     if not len(rewards) == len(groups) == len(contexts):
         raise ValueError("rewards, groups and contexts must have equal lengths")
-    if method not in ("grpo", "reinforce", "rloo"):
-        raise ValueError(f"unknown advantage method {method!r}; use grpo, reinforce or rloo")
+    if method not in METHODS:
+        raise ValueError(f"unknown advantage method {method!r}; use {', '.join(METHODS)}")
     baseline = baseline if baseline is not None else RunningBaseline()
     members: dict[str, list[int]] = {}
     for i, g in enumerate(groups):
         if g is not None:
             members.setdefault(g, []).append(i)
     out = [0.0] * len(rewards)
+    scale = 1.0
+    if method == "grpo_batch":
+        grouped = [float(rewards[i]) for idx in members.values() if len(idx) >= 2 for i in idx]
+        spread = torch.tensor(grouped, dtype=torch.float64).std() if len(grouped) > 1 else torch.tensor(0.0)
+        scale = float(spread) + eps
     for idx in members.values():
         if len(idx) < 2:
             continue
         r = torch.tensor([float(rewards[i]) for i in idx], dtype=torch.float64)
-        if method == "grpo":
+        if method == "grpo_batch":
+            adv = group_baseline(r) / scale
+        elif method == "grpo":
             adv = group_normalized(r, eps)
         else:
             adv = group_baseline(r, leave_one_out=method == "rloo")

@@ -55,7 +55,8 @@ class PolicyConfig(BaseModel):
     rl_lr: float = Field(default=3e-4, gt=0)
     """AdamW learning rate of the RL update."""
     advantage: str = "grpo"
-    """Advantage estimator: ``grpo``, ``reinforce`` (group mean or running baseline) or ``rloo``."""
+    """Advantage estimator: ``grpo``, ``grpo_batch`` (group mean, the batch's std), ``reinforce`` (group mean
+    or running baseline) or ``rloo``."""
     loss_level: str = "token"
     """Policy-gradient ratio level: ``token`` (PPO/GRPO) or ``sequence`` (GSPO)."""
     kl_coef: float = Field(default=0.0, ge=0)

@@ -71,6 +71,10 @@ class RewardsConfig(BaseModel):
     for the longest one put it past every update that needed it (docs/BENCHMARKS.md, "Retention
     measured so far"). True: only sessions whose longest horizon was measured or has elapsed (no label
     revised later). The reward-hacking guards judge on final retention either way."""
+    retention_head_final: bool = False
+    """True: the retention head trains on final retention only (its longest horizon measured or elapsed),
+    whatever the labels use, so its score for a fresh session predicts the retention its user will end
+    with, not the first hour's. Worth it where code is rewritten after the first horizon."""
     positive_threshold: float = Field(default=0.5, ge=0.0, le=1.0)
     """A retention or acceptance label at or above this counts as positive for the classifiers."""
     churn_window_s: int = Field(default=7 * 86400, gt=0)

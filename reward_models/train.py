@@ -181,9 +181,10 @@ def labeled_frame(
 
 def pointwise_rows(frame: pd.DataFrame, name: str, config: RewardsConfig) -> tuple[pd.DataFrame, np.ndarray]:
     """The rows of ``frame`` labeled for head ``name`` and their binary labels (retention: final labels
-    only with ``rewards.retention_require_final``, else what was measured so far)."""
+    only with ``rewards.retention_require_final`` or ``rewards.retention_head_final``, else what was
+    measured so far)."""
     rows = frame[frame[name].notna()]
-    if name == "retention" and config.retention_require_final:
+    if name == "retention" and (config.retention_require_final or config.retention_head_final):
         rows = rows[rows["retention_final"].astype(bool)]
     return rows, (rows[name].to_numpy() >= config.positive_threshold).astype(int)
 

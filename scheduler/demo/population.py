@@ -40,7 +40,9 @@ Model (every number a :class:`PopulationConfig` knob; defaults in brackets):
   ``lines_written = outcome.lines`` with share ``retain_kept`` [0.9] for kept code, ``retain_kept
   x (1 - verbose_rewrite x taste)`` (``verbose_rewrite`` [0.6]) for verbose code and ``retain_failed`` [0.15] for
   failing code, times ``retain_decay`` [0.9] per later horizon, thinned horizon to horizon so it
-  never grows. It follows the true outcome, not the accept decision. A session that never
+  never grows. With ``first_horizon_rewrite`` [1] below 1, only that share of the gap between kept
+  code's share and the class's is gone at the first horizon (rewrites take time); the second horizon
+  shows the whole of it. It follows the true outcome, not the accept decision. A session that never
   submitted has nothing in the editor: no retention event at all.
 - **Frustration**: a session is useless when its best true utility is below ``useful_utility``
   [0.5]. Then the user switches models (``model.switched``) with probability ``switch_rate`` [0.3]
@@ -91,6 +93,7 @@ _UNIT_KNOBS = (
     "verbose_rewrite",
     "retain_failed",
     "retain_decay",
+    "first_horizon_rewrite",
     "switch_rate",
     "churn_rate",
 )
@@ -238,6 +241,10 @@ class PopulationConfig:
     """Share of failing code still there at the first horizon."""
     retain_decay: float = 0.9
     """Factor on the retained share per later horizon."""
+    first_horizon_rewrite: float = 1.0
+    """Share of what a user eventually rewrites or removes (verbose code's rewrite, failing code's removal)
+    that is already gone at the first horizon; the rest goes by the second. 1: the first horizon tells
+    all a later one does; less: early, everything looks nearly kept, and only later horizons tell."""
     switch_rate: float = 0.3
     """Probability of a model switch after a useless session by a user of patience 0."""
     switch_targets: tuple[str, ...] = ("other-large", "other-fast")
@@ -396,6 +403,8 @@ class Population:
             share = cfg.retain_kept * (1.0 - cfg.verbose_rewrite * user.taste)
         else:
             share = cfg.retain_failed
+        if step == 0 and cfg.first_horizon_rewrite < 1.0:  # part of the rewrite done: between kept's and the class's
+            return cfg.retain_kept + cfg.first_horizon_rewrite * (share - cfg.retain_kept)
         return share * cfg.retain_decay**step
 
     def react(

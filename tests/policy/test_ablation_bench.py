@@ -282,6 +282,23 @@ def test_reward_quality_measures_agreement_with_the_true_utility() -> None:
     assert mixed == {"groups": 3, "mixed": 1, "share": pytest.approx(1 / 3)}
 
 
+def test_advantage_alignment_finds_the_push_on_groups_with_no_true_winner() -> None:
+    right = [("0/a", "m", 0.9, 1.0), ("0/a", "m", 0.1, 0.0)]  # a real winner, ordered right
+    tie = [("0/b", "m", 0.51, 0.4), ("0/b", "m", 0.49, 0.4)]  # equal true utility, a near tie in reward
+    alone = [("0/c", "m", 0.3, 1.0)]  # no group to compare with: left out
+    grpo = ablation.advantage_alignment(right + tie + alone, "grpo")
+    assert grpo["groups"] == 2 and grpo["tied_groups_share"] == 0.5
+    # per-group scaling gives the tie's 0.02 gap as much push as the winner's 0.8 lead
+    assert grpo["advantage_on_tied_groups"] == pytest.approx(0.5, abs=0.01)
+    assert grpo["advantage_cosine"] == pytest.approx(math.sqrt(0.5), abs=0.01)
+    batch = ablation.advantage_alignment(right + tie + alone, "grpo_batch")
+    assert batch["advantage_on_tied_groups"] == pytest.approx(0.02**2 / (0.8**2 + 0.02**2), rel=1e-3)
+    assert batch["advantage_cosine"] > 0.99
+    wrong = ablation.advantage_alignment([("0/a", "m", 0.1, 1.0), ("0/a", "m", 0.9, 0.0)], "grpo")
+    assert wrong["advantage_cosine"] == pytest.approx(-1.0) and wrong["tied_groups_share"] == 0.0
+    assert ablation.advantage_alignment(alone)["advantage_cosine"] is None
+
+
 def _rows(path: Path, query: str) -> list[tuple[Any, ...]]:
     with sqlite3.connect(path) as conn:
         return conn.execute(query).fetchall()

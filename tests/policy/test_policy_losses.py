@@ -47,6 +47,28 @@ def test_compute_advantages_mixes_groups_and_running_baseline() -> None:
         compute_advantages([1.0], ["g"], ["a"], method="ppo-lol")
 
 
+def test_grpo_batch_keeps_a_near_tie_small_where_grpo_blows_it_up() -> None:
+    # a reward model's probabilities: group "a" has a real winner, group "b" is a near tie
+    rewards = [0.9, 0.2, 0.2, 0.2, 0.41, 0.40, 0.40, 0.39]
+    groups = ["a"] * 4 + ["b"] * 4
+    grpo = compute_advantages(rewards, groups, [""] * 8, method="grpo")
+    batch = compute_advantages(rewards, groups, [""] * 8, method="grpo_batch")
+    # per-group scaling makes the tie's 0.01 differences as large as the winner's 0.7 lead
+    assert max(map(abs, grpo[4:])) > 0.8 * max(map(abs, grpo[:4]))
+    # the batch's std keeps them in proportion: centred rewards over one shared scale
+    scale = float(torch.tensor(rewards, dtype=torch.float64).std()) + 1e-4
+    expected = [0.9 - 0.375, 0.2 - 0.375, 0.2 - 0.375, 0.2 - 0.375, 0.01, 0.0, 0.0, -0.01]
+    assert batch == pytest.approx([e / scale for e in expected], abs=1e-9)
+    assert max(map(abs, batch[4:])) < 0.05 * max(map(abs, batch[:4]))
+    # order within a group is the same under both; a lone session still takes the running baseline
+    assert sorted(range(4), key=lambda i: batch[i]) == sorted(range(4), key=lambda i: grpo[i])
+    alone = compute_advantages([0.3, 0.9, 0.1], [None, "g", "g"], ["c", "", ""], method="grpo_batch")
+    assert alone[0] == pytest.approx(0.3)
+    assert alone[1] == pytest.approx(-alone[2])
+    # all ties: zero advantages, no division by zero
+    assert compute_advantages([0.5] * 4, ["g"] * 4, [""] * 4, method="grpo_batch") == [0.0] * 4
+
+
 def _inputs(logp: list[float], served: list[float], adv: list[float], **kw: object) -> LossInputs:
     t = torch.tensor(logp, dtype=torch.float64, requires_grad=True)
     return LossInputs(

@@ -221,8 +221,12 @@ def test_a_head_refuses_a_version_only_on_a_hold_out_large_enough_to_tell() -> N
     assert status == registry.CANDIDATE and "selection: hold-out metric undefined" in reason
 
 
+@pytest.mark.parametrize(
+    "knob",
+    ["retention_require_final", "retention_head_final"],  # labels wait too / labels use what was measured so far
+)
 def test_a_late_label_is_held_out_on_its_own_newest_sessions_and_the_model_can_be_promoted(
-    sqlite_engine: Engine, load_events: Any, tmp_path: Path
+    sqlite_engine: Engine, load_events: Any, tmp_path: Path, knob: str
 ) -> None:
     """Four days of traffic, trained an hour after the last session: retention is final (its one-day
     horizon elapsed) only for sessions older than a day, so the bundle's hold-out (the newest sessions)
@@ -232,7 +236,7 @@ def test_a_late_label_is_held_out_on_its_own_newest_sessions_and_the_model_can_b
     now = START + timedelta(seconds=span + 3600)
     events, _ = generate_events(600, seed=11, start=START, span_s=span, now=now)
     load_events(sqlite_engine, [e for e in events if e["type"] not in ("edit.accepted", "edit.rejected")])
-    config = RewardsConfig(retention_require_final=True)  # labels wait for the longest horizon
+    config = RewardsConfig(**{knob: True})  # the retention head waits for the longest horizon
     report = train_reward_models(sqlite_engine, config, tmp_path, now=now)
     assert report.status == registry.PROMOTED, report.reason
 
@@ -243,6 +247,29 @@ def test_a_late_label_is_held_out_on_its_own_newest_sessions_and_the_model_can_b
     assert retention_cutoff < final_until  # its own hold-out: the newest sessions with one
     assert report.metrics["retention"]["auc"] > report.metrics["retention"]["auc_baseline"] + 0.1
     assert report.metrics["privileged"]["auc"] is not None
+
+
+def test_the_retention_head_can_wait_for_final_retention_while_labels_do_not() -> None:
+    import pandas as pd
+
+    from reward_models.train import pointwise_rows
+
+    frame = pd.DataFrame(
+        {
+            "retention": [0.9, 0.2, 0.8, 0.1, 0.95, 0.3],  # the last two: only the first hour measured
+            "retention_final": [True, True, True, True, False, False],
+            "acceptance": [1.0, 0.0, np.nan, 1.0, 0.0, 1.0],
+        },
+        index=pd.Index([f"s{i}" for i in range(6)], name="session_id"),
+    )
+    rows, y = pointwise_rows(frame, "retention", RewardsConfig())
+    assert list(rows.index) == [f"s{i}" for i in range(6)] and list(y) == [1, 0, 1, 0, 1, 0]
+    waits = RewardsConfig(retention_head_final=True)
+    rows, y = pointwise_rows(frame, "retention", waits)
+    assert list(rows.index) == ["s0", "s1", "s2", "s3"] and list(y) == [1, 0, 1, 0]
+    rows, _ = pointwise_rows(frame, "acceptance", waits)  # other heads are not affected
+    assert list(rows.index) == ["s0", "s1", "s3", "s4", "s5"]
+    assert not waits.retention_require_final  # the labels RL trains on still use the first hour
 
 
 def test_a_head_never_trains_on_the_bundles_hold_out() -> None:

@@ -178,6 +178,33 @@ def test_retention_arrives_after_its_horizon_with_the_configured_lateness() -> N
     assert mean["kept", 2] == pytest.approx(cfg.retain_kept * cfg.retain_decay**2, abs=0.03)
 
 
+def test_a_slow_rewrite_shows_at_the_second_horizon_not_the_first() -> None:
+    cfg = honest(horizons_s=(3600, 86400, 604800), first_horizon_rewrite=0.2, retention_rate=1.0)
+    pop = Population(cfg, seed=9)
+    rng = random.Random(9)
+    shares: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for i in range(3000):
+        user = pop.draw(rng)
+        name, outcome = [("kept", KEPT), ("verbose", VERBOSE), ("failed", FAILED)][i % 3]
+        retained = sorted(
+            (s for s in pop.react(user, [outcome], grouped=False, rng=rng).signals if s.type == "code.retained"),
+            key=lambda s: s.delay_s,
+        )
+        left = [s.payload["lines_retained"] for s in retained]
+        assert left == sorted(left, reverse=True)  # still never grows
+        for step, s in enumerate(retained):
+            shares[name, step].append(s.payload["lines_retained"] / outcome.lines)
+    mean = {key: statistics.fmean(v) for key, v in shares.items()}
+    # at the first horizon only a fifth of the gap to kept code is gone: failing code looks nearly kept
+    assert mean["failed", 0] == pytest.approx(cfg.retain_kept - 0.2 * (cfg.retain_kept - cfg.retain_failed), abs=0.03)
+    assert mean["kept", 0] - mean["failed", 0] < 0.2 * (cfg.retain_kept - cfg.retain_failed) + 0.03
+    # a day on, the whole of it: the classes stand as far apart as with an immediate rewrite
+    assert mean["kept", 1] == pytest.approx(cfg.retain_kept * cfg.retain_decay, abs=0.03)
+    assert mean["failed", 1] == pytest.approx(cfg.retain_failed * cfg.retain_decay, abs=0.03)
+    assert mean["kept", 1] > mean["verbose", 1] > mean["failed", 1]
+    assert mean["kept", 0] - mean["verbose", 0] < mean["kept", 1] - mean["verbose", 1]
+
+
 def test_thumbs_are_rare_and_mostly_about_bad_experiences() -> None:
     pop = Population(honest(), seed=6)
     rng = random.Random(6)
@@ -393,6 +420,7 @@ def test_the_same_seed_and_calls_give_the_same_reactions() -> None:
         ({"taste_beta": (0.0, 2.0)}, r"PopulationConfig\.taste_beta must be two Beta parameters > 0"),
         ({"horizons_s": (3600, 300)}, r"PopulationConfig\.horizons_s must be increasing"),
         ({"retention_lateness": -0.5}, r"PopulationConfig\.retention_lateness must be >= 0"),
+        ({"first_horizon_rewrite": 1.5}, r"PopulationConfig\.first_horizon_rewrite must be in \[0, 1\]"),
         ({"noise_min": 0.5, "noise_max": 0.1}, r"PopulationConfig\.noise_min must be <= noise_max"),
         ({"salvage_max": 0.5}, r"PopulationConfig\.salvage_max must be <= 1 - verbosity_cost"),
         ({"frustration_decay": 1.0}, r"PopulationConfig\.frustration_decay must be in \[0, 1\)"),
