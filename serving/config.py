@@ -155,6 +155,11 @@ class DeployConfig(BaseModel):
     """Largest allowed rise of the share of answers with a tool call no parser could read (the markup
     left in the content), also significant by Fisher's exact test like the cut answers: a broken policy
     can stop early with garbage instead of repeating to the limit, and its agent turns show it."""
+    gate_max_length_ratio: float = Field(default=2.0, gt=1)
+    """Largest allowed ratio, either way, of the new version's mean answer length in tokens to the current
+    one's, also significant by Welch's t-test at the level of ``gate_acceptance_z``: a broken policy can
+    stop early with short garbage (no answer cut, no tool call to misparse, lower latency), and every
+    answer shows it before users judged enough of them."""
     gate_interim_alpha: float = Field(default=0.001, gt=0, lt=1)
     """While a stage waits for its users' signals the health checks look again after every answer; a
     look fails the stage only at this one-sided p-value (a Haybittle-Peto boundary), the stage's

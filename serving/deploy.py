@@ -9,7 +9,7 @@ and a stage waits only for pulls not finished yet; replicas a failed rollout nev
 what they staged.
 The canary stage updates ``canary_replicas``; each following stage brings the fleet up to a
 fraction in ``stages``. After every stage the gate compares the new version's online metrics
-(error rate, p50 latency, share of answers cut at the token limit, acceptance proxy) with the current
+(error rate, p50 latency, share of answers cut at the token limit, answer length, acceptance proxy) with the current
 version's, once the new version has served ``gate_min_requests`` and users judged
 ``gate_min_judged`` of its sessions; a failed
 gate, or an update that fails, rolls every updated replica back (by the cheapest path: the reverse
@@ -139,7 +139,8 @@ def gate(new: dict[str, Any] | None, old: dict[str, Any] | None, config: DeployC
 
 def health(new: dict[str, Any], old: dict[str, Any], config: DeployConfig, *, final: bool = True) -> str | None:
     """Why the new version is unhealthy by what every request shows, no user's judgement needed (error
-    rate, p50 latency, answers cut at the token limit, answers with a malformed tool call), or None. A
+    rate, p50 latency, answers cut at the token limit, answers with a malformed tool call, answers a
+    fraction or a multiple of the usual length: :func:`length_shift`), or None. A
     rise of the error rate, the cut answers or the malformed calls counts when it is over its limit and,
     where the source counts requests and answers, significant (Fisher's exact test,
     :func:`rise_p_value`): one failed request among a canary's first sixteen is not a broken version.
@@ -168,7 +169,36 @@ def health(new: dict[str, Any], old: dict[str, Any], config: DeployConfig, *, fi
             rise, p_value = found
             if rise > limit and (alpha is None or p_value <= alpha):
                 return f"{what} rose from {old[rate]:.3f} to {new[rate]:.3f} (limit +{limit})"
+    shift = length_shift(new, old)
+    if shift is not None:
+        ratio, p_value = shift
+        limit = config.gate_max_length_ratio
+        if (ratio > limit or ratio < 1.0 / limit) and (alpha is None or p_value <= alpha):
+            return (
+                f"answers are {ratio:.2f}x the current version's length in tokens "
+                f"({new['answer_tokens_mean']:.1f} against {old['answer_tokens_mean']:.1f}; "
+                f"limit {1.0 / limit:.2f}x to {limit:.2f}x)"
+            )
     return None
+
+
+def length_shift(new: dict[str, Any], old: dict[str, Any]) -> tuple[float, float] | None:
+    """The ratio of the new version's mean answer length in tokens to the old one's and the two-sided
+    p-value of the difference (Welch's t-test on the means, standard deviations and counts), or None
+    when either side counted fewer than two answers (or the source does not count them)."""
+    from scipy.stats import ttest_ind_from_stats
+
+    n_new, n_old = int(new.get("answer_tokens_n") or 0), int(old.get("answer_tokens_n") or 0)
+    if n_new < 2 or n_old < 2 or new.get("answer_tokens_mean") is None or old.get("answer_tokens_mean") is None:
+        return None
+    m_new, m_old = float(new["answer_tokens_mean"]), float(old["answer_tokens_mean"])
+    sd_new, sd_old = float(new.get("answer_tokens_sd") or 0.0), float(old.get("answer_tokens_sd") or 0.0)
+    if m_old <= 0:
+        return None
+    if sd_new == 0 and sd_old == 0:  # no spread at all: any difference is certain
+        return m_new / m_old, 0.0 if m_new != m_old else 1.0
+    test = ttest_ind_from_stats(m_new, sd_new, n_new, m_old, sd_old, n_old, equal_var=False)
+    return m_new / m_old, float(test.pvalue)
 
 
 def stratified_drop(new: dict[str, Any], old: dict[str, Any]) -> tuple[float, float] | None:

@@ -162,6 +162,9 @@ class VersionStats:
     malformed_tool_calls: int = 0
     """Chat answers with a tool call no parser could read (:func:`serving.chat.malformed_tool_call`):
     like the cut answers, a broken version shows it on every turn before any user judges it."""
+    answer_tokens: deque[int] = field(default_factory=lambda: deque(maxlen=2000))
+    """Tokens of the latest answers whose token ids the engine returned: a version whose answers turn a
+    fraction (or a multiple) of the usual length is broken, whatever users have judged yet."""
     sessions: dict[str, set[str]] = field(default_factory=dict)
     """Judged session ids by kind (up to :data:`MAX_COUNTED_SESSIONS` each, then counted in
     ``sessions_over``): one session's signals (an accept and its retention at three horizons) are one
@@ -215,6 +218,7 @@ class VersionStats:
             "answers": self.answers,
             "truncation_rate": self.truncated / self.answers if self.answers else None,
             "malformed_tool_call_rate": self.malformed_tool_calls / self.answers if self.answers else None,
+            **_length_summary(self.answer_tokens),
             "acceptance": self.acceptance(),
             "acceptance_raw": self.accepts / self.judged if self.judged else None,
             "judged": self.judged,
@@ -229,6 +233,14 @@ class VersionStats:
                 for kind, users in self.by_kind.items()
             },
         }
+
+
+def _length_summary(tokens: deque[int]) -> dict[str, float | int | None]:
+    """Mean, standard deviation (ddof 1) and count of answer lengths in tokens (None without answers)."""
+    n = len(tokens)
+    mean = sum(tokens) / n if n else None
+    sd = math.sqrt(sum((t - mean) ** 2 for t in tokens) / (n - 1)) if n > 1 and mean is not None else None
+    return {"answer_tokens_mean": mean, "answer_tokens_sd": sd, "answer_tokens_n": n}
 
 
 class Gateway:
@@ -547,6 +559,8 @@ class Gateway:
         stats.answers += 1
         stats.truncated += served.finish_reason == "length"
         stats.malformed_tool_calls += req.messages is not None and malformed_tool_call(served.text)
+        if served.token_ids or not served.text:  # an engine that returned no token ids: length unknown
+            stats.answer_tokens.append(len(served.token_ids))
         session_id = req.session_id(served.index, k)
         self.trust.served(session_id, req.version, req.user, req.client)
         if req.session is not None:

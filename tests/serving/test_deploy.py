@@ -13,7 +13,7 @@ from serving_helpers import CONTROL_TOKEN
 
 from serving import fleet
 from serving.config import DeployConfig, FleetConfig, GatewayConfig
-from serving.deploy import gate, health, rollout, stage_sizes, stratified_drop
+from serving.deploy import gate, health, length_shift, rollout, stage_sizes, stratified_drop
 from serving.gateway import Gateway, create_gateway_app, health_loop, registry_source
 from serving.launch import ServerThread
 
@@ -425,6 +425,37 @@ def test_one_failed_request_among_a_canarys_first_is_not_a_broken_version() -> N
                 rolled += 1
                 break
     assert rolled / 300 <= 0.05, rolled
+
+
+def test_a_canary_whose_answers_shrink_to_garbage_fails_before_any_user_judges_it() -> None:
+    """A demo's gate drill stopped early with short garbage: no answer cut, no tool call to misparse,
+    p50 latency 0.38x, acceptance 0 of 6 judged sessions against 0.40 of 15 (not significant), and it
+    went to every replica. Its answers were 8 tokens long on average against 24 for the version before:
+    that fails its first look now. A healthy canary a little shorter or longer does not, a tiny sample
+    does not, and a source that does not count lengths is judged as before."""
+    cfg = DeployConfig(gate_min_requests=16, gate_min_judged=6)
+    current = {"requests": 124, "error_rate": 0.0, "answers": 151, "truncation_rate": 0.013}
+    current.update(malformed_tool_call_rate=0.033, acceptance=0.40, judged_sessions=15, judged=16)
+    current.update(answer_tokens_mean=23.8, answer_tokens_sd=9.0, answer_tokens_n=151)
+    drill = {"requests": 41, "error_rate": 0.0, "answers": 44, "truncation_rate": 0.0}
+    drill.update(malformed_tool_call_rate=0.0, answer_tokens_mean=8.1, answer_tokens_sd=4.0, answer_tokens_n=44)
+    why = health(drill, current, cfg, final=False)
+    assert why is not None and "0.34x the current version's length" in why, why
+    ok, why = gate({**drill, "acceptance": 0.0, "judged_sessions": 6, "judged": 6}, current, cfg)
+    assert not ok and "length in tokens" in why
+    longer = {**drill, "answer_tokens_mean": 60.0, "answer_tokens_sd": 20.0}  # rambling is caught too
+    assert "2.52x" in (health(longer, current, cfg) or "")
+    for fine in (
+        {**drill, "answer_tokens_mean": 18.0, "answer_tokens_sd": 8.0},  # shorter, within the limit
+        {**drill, "answer_tokens_n": 1},  # one answer is not a sample
+        {k: v for k, v in drill.items() if not k.startswith("answer_tokens")},  # a source without lengths
+    ):
+        assert health(fine, current, cfg, final=False) is None
+        assert health(fine, current, cfg, final=True) is None
+    few = {**drill, "answer_tokens_mean": 10.0, "answer_tokens_sd": 12.0, "answer_tokens_n": 3}
+    assert health(few, current, cfg, final=False) is None  # short, but three noisy answers prove nothing yet
+    ratio, p_value = length_shift(drill, current) or (0.0, 1.0)
+    assert ratio == pytest.approx(8.1 / 23.8) and p_value < 1e-10
 
 
 def test_a_canary_whose_tool_calls_break_fails_before_any_user_judges_it() -> None:

@@ -73,6 +73,10 @@ def test_candidates_are_tagged_and_emitted_with_experts(one_engine, broker, tmp_
         assert streamed.status_code == 200 and '"length"' in streamed.text
         after = httpx.get(srv.url + "/gateway/metrics", timeout=10).json()["versions"]["v0"]
         assert after["answers"] == 4 and after["truncation_rate"] == pytest.approx((truncated + 1) / 4)
+        # every answer's length in tokens too (the engine returns its token ids to the gateway): at most
+        # the 4 and the 1 asked for, a cut answer exactly its limit
+        assert after["answer_tokens_n"] == 4 and 4 * truncated + 1 <= round(after["answer_tokens_mean"] * 4) <= 13
+        assert metrics["versions"]["v0"]["answer_tokens_n"] == 3
     events = consume(broker.bootstrap, topic, 5)
     sessions = [e for e in events if e["type"] == "session.completed" and e["payload"].get("group_id")]
     assert len(sessions) == 3 and {e["payload"]["group_id"] for e in sessions} == {body["group_id"]}
