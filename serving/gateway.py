@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import statistics
 import time
 import uuid
 from collections import Counter, OrderedDict, defaultdict, deque
@@ -238,9 +239,11 @@ class VersionStats:
 def _length_summary(tokens: deque[int]) -> dict[str, float | int | None]:
     """Mean, standard deviation (ddof 1) and count of answer lengths in tokens (None without answers)."""
     n = len(tokens)
-    mean = sum(tokens) / n if n else None
-    sd = math.sqrt(sum((t - mean) ** 2 for t in tokens) / (n - 1)) if n > 1 and mean is not None else None
-    return {"answer_tokens_mean": mean, "answer_tokens_sd": sd, "answer_tokens_n": n}
+    return {
+        "answer_tokens_mean": statistics.fmean(tokens) if n else None,
+        "answer_tokens_sd": statistics.stdev(tokens) if n > 1 else None,
+        "answer_tokens_n": n,
+    }
 
 
 class Gateway:
