@@ -59,8 +59,17 @@ def _engine_counter(url: str, name: str, reason: str | None = None) -> float:
     return 0.0
 
 
+def _answer_tokens(stack: Stack) -> tuple[int, int]:
+    """How many answers the gateway has counted the length of, and their total tokens (every version)."""
+    versions = httpx.get(stack.url + "/gateway/metrics", timeout=10).json()["versions"].values()
+    n = sum(v["answer_tokens_n"] for v in versions)
+    total = sum(round((v["answer_tokens_mean"] or 0.0) * v["answer_tokens_n"]) for v in versions)
+    return n, total
+
+
 def test_chat_sync_and_async_whole_and_streamed(stack: Stack) -> None:
     client = stack.client()
+    counted = _answer_tokens(stack)
     messages = [{"role": "system", "content": "Write Python."}, {"role": "user", "content": "def add(a, b):"}]
     whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, seed=7)  # type: ignore[arg-type]
     choice = whole.choices[0]
@@ -102,6 +111,9 @@ def test_chat_sync_and_async_whole_and_streamed(stack: Stack) -> None:
 
     one, streamed = asyncio.run(run_async())
     assert one == streamed == choice.message.content
+    # the rollout gate's length check sees every answer, streamed ones included, at the length served
+    n, total = _answer_tokens(stack)
+    assert (n - counted[0], total - counted[1]) == (4, 4 * whole.usage.completion_tokens)
 
 
 def test_completions_streamed_with_logprobs(stack: Stack) -> None:
@@ -121,6 +133,7 @@ def test_completions_streamed_with_logprobs(stack: Stack) -> None:
 
 def test_tools_and_a_multi_turn_session_in_telemetry(stack: Stack, versions) -> None:  # type: ignore[no-untyped-def]
     client = stack.client()
+    counted = _answer_tokens(stack)
     session = f"agent-{uuid.uuid4().hex[:10]}"
     history: list[dict[str, Any]] = [
         {"role": "system", "content": "You are a coding agent."},
@@ -164,6 +177,10 @@ def test_tools_and_a_multi_turn_session_in_telemetry(stack: Stack, versions) -> 
         extra_headers={"x-session-id": session},
     )
     assert not third.choices[0].message.tool_calls
+    n, total = _answer_tokens(stack)  # tool-call answers (no text) count at their length too
+    assert first.usage is not None and third.usage is not None
+    assert n - counted[0] == 3
+    assert total - counted[1] > first.usage.completion_tokens + third.usage.completion_tokens
 
     for target in (session, f"{session}.t1"):
         signal = httpx.post(
