@@ -77,6 +77,12 @@ nearly exactly (``--population select_rate=1 --population accept_rate=1 --popula
 on every session could reach at best; its gain over the scarce labels-only arm bounds what the
 assisted arm can add (``docs/BENCHMARKS.md``, "How much room a reward signal has in the ablation").
 
+A control, ``--noisy-truth PEARSON``: the assisted arm's model-scored sessions train on their true
+utility plus Gaussian noise drawn anew for every session and update (at that Pearson correlation with
+the truth) instead of the model's score; the same sessions, labels and plan. A reward model of the same
+accuracy that gains less than this control loses by its error being the same in every update (a
+function of the text), which the policy can follow, not by its accuracy.
+
 Run: ``python benchmarks/ablation.py`` (defaults: seeds 0,1,2, 16 rounds of 32 groups; ``--quick`` for a
 smoke run).
 """
@@ -92,6 +98,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 import argparse  # noqa: E402
 import heapq  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import multiprocessing  # noqa: E402
 import queue  # noqa: E402
 import random  # noqa: E402
@@ -169,6 +176,12 @@ class AblationConfig:
     """Retrain the reward model when this many labeled sessions are newer than the promoted one's window."""
     workers: int = 2
     """(seed, arm) jobs run at once, one process and one torch thread each."""
+    noisy_truth: float | None = None
+    """A control, not a product setting: the assisted arm's model-scored sessions train on their true
+    utility plus fresh Gaussian noise instead of the model's score, the noise set per update so that
+    the scores' Pearson correlation with the truth is this value. The same sessions, labels and plan:
+    what differs from the model is only that the error is drawn anew for every session and update
+    instead of being a function of the text."""
 
     @property
     def round_s(self) -> float:
@@ -437,6 +450,21 @@ def advantage_alignment(
     }
 
 
+def noisy_truth(
+    plan: list[list[tuple[str, float]]], labeled: set[str], truth: dict[str, float], pearson: float, rng: random.Random
+) -> list[list[tuple[str, float]]]:
+    """``plan`` with every session not in ``labeled`` rewarded by its true utility plus independent
+    Gaussian noise of std ``sd(truth) * sqrt(1/pearson^2 - 1)`` (over those sessions): scores whose
+    Pearson correlation with the truth is ``pearson`` in expectation, with an error drawn anew each time."""
+    scored = [truth[sid] for batch in plan for sid, _ in batch if sid not in labeled]
+    sd = statistics.pstdev(scored) if len(scored) > 1 else 0.0
+    noise = sd * math.sqrt(1.0 / pearson**2 - 1.0)
+    return [
+        [(sid, reward if sid in labeled else truth[sid] + rng.gauss(0.0, noise)) for sid, reward in batch]
+        for batch in plan
+    ]
+
+
 def mixed_groups(records: list[tuple[str, str, float, float]]) -> dict[str, float | int]:
     """Trained groups whose members' rewards came from both sources (some labels, some scores): their
     group-relative advantages compare a label with a score on another scale."""
@@ -556,8 +584,11 @@ def run_arm(
                 raise
             row["skipped"] = True
         else:
+            labeled = trainer.from_label & {sid for batch in trainer.plan for sid, _ in batch}
+            if cfg.noisy_truth is not None:
+                rng = random.Random(f"noisy-truth/{seed}/{rnd}")
+                trainer.plan = noisy_truth(trainer.plan, labeled, truth, cfg.noisy_truth, rng)
             used = {sid: reward for batch in trainer.plan for sid, reward in batch}
-            labeled = trainer.from_label & set(used)
             for sid, reward in used.items():
                 group = sid.rsplit("-", 1)[0]
                 quality.append((f"{rnd}/{group}", "label" if sid in labeled else "reward_model", reward, truth[sid]))
@@ -845,6 +876,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[AblationConfig, argparse.
     p.add_argument("--eval-samples", type=int, default=d.eval_samples)
     p.add_argument("--rm-min-new-labels", type=int, default=d.rm_min_new_labels)
     p.add_argument("--workers", type=int, default=d.workers, help="(seed, arm) jobs at once")
+    p.add_argument(
+        "--noisy-truth",
+        type=float,
+        default=None,
+        metavar="PEARSON",
+        help="a control: the assisted arm's model-scored sessions train on true utility plus fresh noise "
+        "at this Pearson correlation with it, instead of the model's score",
+    )
     p.add_argument("--v0", type=Path, default=None, help="an existing v0 checkpoint directory")
     p.add_argument("--home", type=Path, default=Path(".undertow"), help="Undertow home (v0 cache)")
     p.add_argument("--keep", type=Path, default=None, help="keep the databases and checkpoints in this directory")
@@ -877,7 +916,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[AblationConfig, argparse.
         eval_samples=args.eval_samples,
         rm_min_new_labels=args.rm_min_new_labels,
         workers=args.workers,
+        noisy_truth=args.noisy_truth,
     )
+    if cfg.noisy_truth is not None and not 0.0 < cfg.noisy_truth <= 1.0:
+        raise SystemExit(f"--noisy-truth: a Pearson correlation in (0, 1], got {cfg.noisy_truth}")
     from pydantic import ValidationError
 
     try:  # an override out of its setting's range fails here, not in a worker after the warm-up

@@ -299,6 +299,30 @@ def test_advantage_alignment_finds_the_push_on_groups_with_no_true_winner() -> N
     assert ablation.advantage_alignment(alone)["advantage_cosine"] is None
 
 
+def test_the_noisy_truth_control_keeps_labels_and_hits_its_correlation() -> None:
+    import random
+
+    gen = np.random.default_rng(0)
+    truth = {f"s{i}": float(u) for i, u in enumerate(gen.uniform(0, 1, 4000))}
+    ids = list(truth)
+    plan = [[(sid, -1.0) for sid in ids[at : at + 8]] for at in range(0, len(ids), 8)]
+    labeled = set(ids[:400])
+    out = ablation.noisy_truth(plan, labeled, truth, 0.5, random.Random(1))
+    assert [[sid for sid, _ in b] for b in out] == [[sid for sid, _ in b] for b in plan]  # same sessions, order
+    rewards = {sid: r for b in out for sid, r in b}
+    assert all(rewards[sid] == -1.0 for sid in labeled)  # a label stays the label
+    scored = [sid for sid in ids if sid not in labeled]
+    r = np.corrcoef([rewards[s] for s in scored], [truth[s] for s in scored])[0, 1]
+    assert r == pytest.approx(0.5, abs=0.04)
+    again = ablation.noisy_truth(plan, labeled, truth, 0.5, random.Random(2))
+    assert [r for b in again for _, r in b] != [r for b in out for _, r in b]  # the error is drawn anew
+    exact = ablation.noisy_truth(plan, labeled, truth, 1.0, random.Random(1))
+    assert all(r == truth[sid] for b in exact for sid, r in b if sid not in labeled)
+    for bad in ("0", "1.5", "-0.2"):
+        with pytest.raises(SystemExit, match="noisy-truth"):
+            ablation.parse_args(["--noisy-truth", bad])
+
+
 def _rows(path: Path, query: str) -> list[tuple[Any, ...]]:
     with sqlite3.connect(path) as conn:
         return conn.execute(query).fetchall()
