@@ -457,7 +457,7 @@ def noisy_truth(
     Gaussian noise of std ``sd(truth) * sqrt(1/pearson^2 - 1)`` (over those sessions): scores whose
     Pearson correlation with the truth is ``pearson`` in expectation, with an error drawn anew each time."""
     scored = [truth[sid] for batch in plan for sid, _ in batch if sid not in labeled]
-    sd = statistics.pstdev(scored) if len(scored) > 1 else 0.0
+    sd = statistics.pstdev(scored) if scored else 0.0
     noise = sd * math.sqrt(1.0 / pearson**2 - 1.0)
     return [
         [(sid, reward if sid in labeled else truth[sid] + rng.gauss(0.0, noise)) for sid, reward in batch]
@@ -584,11 +584,11 @@ def run_arm(
                 raise
             row["skipped"] = True
         else:
-            labeled = trainer.from_label & {sid for batch in trainer.plan for sid, _ in batch}
             if cfg.noisy_truth is not None:
                 rng = random.Random(f"noisy-truth/{seed}/{rnd}")
-                trainer.plan = noisy_truth(trainer.plan, labeled, truth, cfg.noisy_truth, rng)
+                trainer.plan = noisy_truth(trainer.plan, trainer.from_label, truth, cfg.noisy_truth, rng)
             used = {sid: reward for batch in trainer.plan for sid, reward in batch}
+            labeled = trainer.from_label & set(used)
             for sid, reward in used.items():
                 group = sid.rsplit("-", 1)[0]
                 quality.append((f"{rnd}/{group}", "label" if sid in labeled else "reward_model", reward, truth[sid]))
