@@ -176,6 +176,10 @@ class AblationConfig:
     """Retrain the reward model when this many labeled sessions are newer than the promoted one's window."""
     workers: int = 2
     """(seed, arm) jobs run at once, one process and one torch thread each."""
+    arms: tuple[str, ...] = ARMS
+    """The arms run (both by default). One arm alone has no difference or verdict: labels-only is
+    deterministic on one machine, so a variant of the assisted arm can be paired with an earlier run's
+    labels-only figures by seed."""
     noisy_truth: float | None = None
     """A control, not a product setting: the assisted arm's model-scored sessions train on their true
     utility plus fresh Gaussian noise instead of the model's score, the noise set per update so that
@@ -727,7 +731,7 @@ def _by_round(runs: list[dict[str, Any]], key: str) -> list[float]:
 
 def _jobs(cfg: AblationConfig, v0_path: str, workdir: str, progress: Any) -> tuple[dict[str, float], list[Any]]:
     """v0's evaluation and every (seed, arm) loop, in ``cfg.workers`` processes (in this one for 1)."""
-    jobs = [(arm, seed) for seed in cfg.seeds for arm in ARMS]
+    jobs = [(arm, seed) for seed in cfg.seeds for arm in cfg.arms]
     if cfg.workers <= 1:
         v0 = evaluate_v0(v0_path, cfg, progress)
         return v0, [run_arm(arm, seed, cfg, v0_path, workdir, progress) for arm, seed in jobs]
@@ -749,7 +753,7 @@ def run(cfg: AblationConfig, v0: Path | None, home: Path, keep: Path | None = No
     v0_path = v0 if v0 is not None else v0_checkpoint(home, cfg.sft_steps)
     setup_s = time.monotonic() - started
     workdir = Path(tempfile.mkdtemp(prefix="ablation-")) if keep is None else keep
-    total = len(cfg.seeds) * len(ARMS) * (cfg.rounds + 1) + 1
+    total = len(cfg.seeds) * len(cfg.arms) * (cfg.rounds + 1) + 1
     manager = multiprocessing.get_context("spawn").Manager() if cfg.workers > 1 else None
     progress: Any = manager.Queue() if manager is not None else queue.SimpleQueue()
     bar = tqdm(total=total, desc="ablation (rounds and evaluations)", file=sys.stderr, unit="step")
@@ -779,25 +783,11 @@ def run(cfg: AblationConfig, v0: Path | None, home: Path, keep: Path | None = No
     v0_utility = {
         s: make_population(cfg, s).expected_utility(v0_rates["keep_rate"], v0_rates["pass_rate"]) for s in cfg.seeds
     }
-    arms = {arm: _arm_summary([r for r in runs if r["arm"] == arm], v0_utility) for arm in ARMS}
-    diffs = {
-        s: arms["assisted"]["gain_points"]["per_seed"][s] - arms["labels"]["gain_points"]["per_seed"][s]
-        for s in cfg.seeds
-    }
-    stds = [arms[a]["gain_points"]["std"] for a in ARMS]
-    worst = max((s for s in stds if s is not None), default=None)
-    mean_diff = statistics.fmean(diffs.values())
-    beats = worst is not None and mean_diff > worst
+    arms = {arm: _arm_summary([r for r in runs if r["arm"] == arm], v0_utility) for arm in cfg.arms}
     return {
         "arms": arms,
         "v0": {"source": v0_source, **v0_rates, "utility": v0_utility},
-        "difference_points": {**spread(list(diffs.values())), "per_seed": diffs},
-        "verdict": {
-            "assisted_beats_labels_by_more_than_spread": beats,
-            "rule": "mean over seeds of (assisted gain - labels-only gain) > the larger of the two arms' gain std "
-            "(ddof 1, over seeds); undecided (false) with one seed",
-            "margin_points": None if worst is None else mean_diff - worst,
-        },
+        **_verdict(arms, cfg.seeds),
         "conditions": {
             **{k: v for k, v in asdict(cfg).items() if k != "seeds"},
             "seeds": list(cfg.seeds),
@@ -815,6 +805,27 @@ def run(cfg: AblationConfig, v0: Path | None, home: Path, keep: Path | None = No
         },
         "setup_s": setup_s,
         "wall_s": time.monotonic() - started,
+    }
+
+
+def _verdict(arms: dict[str, Any], seeds: tuple[int, ...]) -> dict[str, Any]:
+    """The assisted arm's gain minus labels-only's per seed and the verdict (both None with one arm)."""
+    if set(ARMS) - set(arms):
+        return {"difference_points": None, "verdict": None}
+    diffs = {
+        s: arms["assisted"]["gain_points"]["per_seed"][s] - arms["labels"]["gain_points"]["per_seed"][s] for s in seeds
+    }
+    stds = [arms[a]["gain_points"]["std"] for a in ARMS]
+    worst = max((s for s in stds if s is not None), default=None)
+    mean_diff = statistics.fmean(diffs.values())
+    return {
+        "difference_points": {**spread(list(diffs.values())), "per_seed": diffs},
+        "verdict": {
+            "assisted_beats_labels_by_more_than_spread": worst is not None and mean_diff > worst,
+            "rule": "mean over seeds of (assisted gain - labels-only gain) > the larger of the two arms' gain std "
+            "(ddof 1, over seeds); undecided (false) with one seed",
+            "margin_points": None if worst is None else mean_diff - worst,
+        },
     }
 
 
@@ -877,6 +888,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[AblationConfig, argparse.
     p.add_argument("--rm-min-new-labels", type=int, default=d.rm_min_new_labels)
     p.add_argument("--workers", type=int, default=d.workers, help="(seed, arm) jobs at once")
     p.add_argument(
+        "--arms",
+        default=",".join(d.arms),
+        help="comma-separated arms to run: assisted, labels (one alone: no difference or verdict)",
+    )
+    p.add_argument(
         "--noisy-truth",
         type=float,
         default=None,
@@ -917,7 +933,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[AblationConfig, argparse.
         rm_min_new_labels=args.rm_min_new_labels,
         workers=args.workers,
         noisy_truth=args.noisy_truth,
+        arms=tuple(a.strip() for a in str(args.arms).split(",") if a.strip()),
     )
+    if not cfg.arms or set(cfg.arms) - set(ARMS) or len(set(cfg.arms)) != len(cfg.arms):
+        raise SystemExit(f"--arms: one or both of {', '.join(ARMS)}, each once; got {args.arms!r}")
     if cfg.noisy_truth is not None and not 0.0 < cfg.noisy_truth <= 1.0:
         raise SystemExit(f"--noisy-truth: a Pearson correlation in (0, 1], got {cfg.noisy_truth}")
     from pydantic import ValidationError

@@ -12,7 +12,9 @@ scheduler builds it from its settings sections and the job's :class:`TrainReques
   retention, acceptance, selection, switch) where a session has one; else the promoted reward
   model's score (:func:`reward_models.api.load_scorer`) as a keep probability ``sigmoid(score)``,
   for every member of a group nobody labeled (GRPO compares a group's members, so their rewards
-  share one scale; a group with some labels keeps them, its unlabeled members wait);
+  share one scale; a group with some labels keeps them, its unlabeled members wait); with
+  ``RewardsConfig.rl_uncertainty_penalty`` the score is first lowered by that many standard errors
+  over the users who trained the model (a pessimistic reward where the model only guesses);
   sessions with neither are skipped. ``RewardsConfig.rl_reward = "labels"`` drops the second
   source: only labeled sessions are trained on (``benchmarks/ablation.py`` compares the two);
 - **trajectories**: the turns of an agent session are one trajectory (:mod:`policy.trajectories`:
@@ -166,7 +168,7 @@ def rewards_with_source(
     scored = sessions[mask]
     if not scored.empty:
         shown = scored if rewards_config.rl_score_confidence else _without_confidence(scored)
-        scores = np.asarray(load_scorer(engine).score(shown), dtype=np.float64)
+        scores = _model_scores(load_scorer(engine), shown, rewards_config.rl_uncertainty_penalty)
         probability = 1.0 / (1.0 + np.exp(-scores))
         if rewards_config.rl_model_reward == "best_of_group":
             probability = _best_of_group(group[mask].to_numpy(), scores, probability)
@@ -174,6 +176,22 @@ def rewards_with_source(
             out[str(sid)] = float(p)
     labeled_ids = set(sessions["session_id"].astype(str)[~mask])
     return out, labeled_ids & set(out)
+
+
+def _model_scores(scorer: Any, frame: Any, penalty: float) -> np.ndarray:
+    """The reward model's log-odds for ``frame``: its score, or with ``penalty`` > 0 the lower bound
+    ``score - penalty x standard error`` over the users who trained it (logged: how far it moved)."""
+    if penalty <= 0:
+        return np.asarray(scorer.score(frame), dtype=np.float64)
+    score, error = scorer.score_with_error(frame)
+    log.info(
+        "production.pessimistic_reward",
+        sessions=len(score),
+        penalty=penalty,
+        error_mean=float(np.mean(error)) if len(error) else 0.0,
+        error_max=float(np.max(error)) if len(error) else 0.0,
+    )
+    return np.asarray(score - penalty * error, dtype=np.float64)
 
 
 def _without_confidence(frame: Any) -> Any:

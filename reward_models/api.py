@@ -1,6 +1,7 @@
 """The Python API the policy trainer and the scheduler call.
 
-- :func:`load_scorer` -> :class:`Scorer` with ``score(records) -> np.ndarray``: score sessions held
+- :func:`load_scorer` -> :class:`Scorer` with ``score(records) -> np.ndarray`` (and
+  ``score_with_error``: each score's standard error over the users who trained it): score sessions held
   in memory (rollouts the trainer just generated), given as a session frame, a list of
   ``session.completed`` envelopes, or a list of ``{"prompt": str, "completion": str,
   "mean_logprob"?: float}`` dicts.
@@ -81,6 +82,15 @@ class Scorer:
         if frame.empty:
             return np.zeros(0)
         return np.asarray(self.bundle.score(frame), dtype=np.float64)
+
+    def score_with_error(self, records: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Rewards of ``records`` and their standard errors over the users who trained the model
+        (:meth:`~reward_models.models.RewardBundle.score_with_error`), both float64 in order."""
+        frame = records_frame(records)
+        if frame.empty:
+            return np.zeros(0), np.zeros(0)
+        score, error = self.bundle.score_with_error(frame)
+        return np.asarray(score, dtype=np.float64), np.asarray(error, dtype=np.float64)
 
     def head_scores(self, records: Any) -> dict[str, np.ndarray]:
         """Each head's score (retention, acceptance, selection) for diagnostics."""

@@ -179,6 +179,10 @@ class RewardBundle:
         """Each serving head's log-odds score."""
         return {name: head.score(frame) for name, head in self.heads.items()}
 
+    def _head_weight(self, name: str) -> float:
+        """A head's weight in the composite (a head without a positive weight counts a little, never 0)."""
+        return max(self.weights.get(name, 0.0), 0.0) or 1e-3
+
     def score(self, frame: pd.DataFrame) -> np.ndarray:
         """Composite reward on the log-odds scale: weighted mean of the heads' scores."""
         if len(frame) == 0:
@@ -187,7 +191,37 @@ class RewardBundle:
         total = np.zeros(len(frame))
         weight_sum = 0.0
         for name, values in scores.items():
-            w = max(self.weights.get(name, 0.0), 0.0) or 1e-3
+            w = self._head_weight(name)
             total += w * values
             weight_sum += w
         return total / max(weight_sum, 1e-12)
+
+    def score_with_error(self, frame: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`score` and its standard error per row over the users who trained it.
+
+        A head with several models fitted on different users (the text model's user folds,
+        :func:`head_members`) has the delete-a-group jackknife's error ``sqrt((M-1)/M * sum_m (s_m -
+        mean)^2)`` over its ``M`` models; a head of one model has none. The composite's error takes the
+        heads' errors as independent: ``sqrt(sum_k (w_k / sum w)^2 se_k^2)``. Large where the score
+        rests on few users' labels (text unlike anything most folds saw); what a pessimistic RL
+        reward subtracts (``RewardsConfig.rl_uncertainty_penalty``)."""
+        if len(frame) == 0:
+            return np.zeros(0), np.zeros(0)
+        variance = np.zeros(len(frame))
+        weight_sum = sum(self._head_weight(name) for name in self.heads)
+        for name, head in self.heads.items():
+            members = head_members(head, frame)
+            m = len(members)
+            if m > 1:
+                jackknife = (m - 1) / m * np.sum((members - members.mean(axis=0)) ** 2, axis=0)
+                variance += (self._head_weight(name) / max(weight_sum, 1e-12)) ** 2 * jackknife
+        return self.score(frame), np.sqrt(variance)
+
+
+def head_members(head: Any, frame: pd.DataFrame) -> np.ndarray:
+    """A head's scores per model it holds, shape ``(models, rows)``: the user-fold models of a text head
+    (:meth:`~reward_models.text_model.TextRewardModel.member_scores`), else its one score."""
+    members = getattr(head, "member_scores", None)
+    if members is not None:
+        return np.asarray(members(frame), dtype=np.float64)
+    return np.asarray(head.score(frame), dtype=np.float64)[None, :]

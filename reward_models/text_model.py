@@ -429,6 +429,24 @@ class TextRewardModel:
         z = np.column_stack([text, self._scaled(design.numeric)])
         return np.asarray(self.combiner_.decision_function(z), dtype=np.float64)
 
+    def member_scores(self, frame: pd.DataFrame) -> np.ndarray:
+        """Calibrated log-odds per text model (rows: the user-fold models of the ``C`` search, or the one
+        model fitted on every row), shape ``(models, len(frame))``.
+
+        Each fold model saw the users of the other folds only, and the combiner is linear, so the rows'
+        mean is :meth:`score` (up to rounding) and their spread is how much the score depends on which
+        users trained it (a delete-a-group jackknife over users)."""
+        if len(frame) == 0:
+            return np.zeros((len(self.text_models_), 0))
+        design = self.features.design(frame.reset_index(drop=True))
+        texts = [m.decision_function(design.text)[design.pair] for m in self.text_models_]
+        if self.combiner_ is None:
+            return np.asarray(texts, dtype=np.float64)
+        numeric = self._scaled(design.numeric)
+        return np.asarray(
+            [self.combiner_.decision_function(np.column_stack([text, numeric])) for text in texts], dtype=np.float64
+        )
+
     def predict_proba(self, frame: pd.DataFrame) -> np.ndarray:
         """Calibrated probability of a positive label per row."""
         return np.asarray(np.exp(-np.logaddexp(0.0, -self.score(frame))), dtype=np.float64)

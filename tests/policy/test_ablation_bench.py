@@ -164,6 +164,41 @@ def test_rl_reward_switch_scores_unlabeled_sessions_only_when_assisted(db: tuple
     assert set(group_ids) <= set(whole) and 0.0 < whole[group_ids[1]] < 1.0
 
 
+def test_a_pessimistic_reward_lowers_model_scores_by_their_error_and_keeps_labels(
+    db: tuple[str, Engine], tmp_path: Path
+) -> None:
+    """``rl_uncertainty_penalty``: a model-scored session trains on ``sigmoid(score - penalty x error)``,
+    the error being the score's spread over the users who trained the model; labels are untouched."""
+    from reward_models.api import load_scorer
+    from reward_models.synthetic import generate_events
+    from reward_models.train import train_reward_models
+
+    _, engine = db
+    events, _ = generate_events(500, seed=3, start=ablation.T0, span_s=3 * 86400.0)
+    _store(engine, events)
+    now = ablation.T0 + timedelta(days=5)
+    assert train_reward_models(engine, RewardsConfig(), tmp_path, now=now).promoted
+    fresh_events, _ = generate_events(40, seed=12, start=now - timedelta(hours=1), span_s=600.0, now=now)
+    _store(engine, [e for e in fresh_events if e["type"] == "session.completed"])
+
+    mean = session_rewards(engine, RewardsConfig(), now)
+    assert session_rewards(engine, RewardsConfig(rl_uncertainty_penalty=0.0), now) == mean
+    low, from_label = rewards_with_source(engine, RewardsConfig(rl_uncertainty_penalty=2.0), now)
+    labels = session_rewards(engine, RewardsConfig(rl_reward="labels"), now)
+    assert from_label == set(labels) and {s: low[s] for s in labels} == labels
+    scored = sorted(set(mean) - set(labels))
+    assert scored and set(low) == set(mean)
+    frame = load_sessions(engine, session_ids=scored)
+    score, error = load_scorer(engine).score_with_error(frame)
+    assert np.all(error >= 0) and np.mean(error) > 0.01
+    expected = 1.0 / (1.0 + np.exp(-(score - 2.0 * error)))
+    got = np.array([low[str(s)] for s in frame["session_id"]])
+    np.testing.assert_allclose(got, expected, rtol=1e-12)
+    assert all(low[s] <= mean[s] + 1e-12 for s in scored) and sum(low[s] < mean[s] - 1e-6 for s in scored) > 0
+    with pytest.raises(ValueError):
+        RewardsConfig(rl_uncertainty_penalty=-1.0)
+
+
 def _sharper_twin(event: dict[str, Any]) -> dict[str, Any]:
     """The same answer (text and tokens) served by a more confident policy, as another session."""
     twin = json.loads(json.dumps(event))
@@ -399,6 +434,24 @@ def test_command_line_overrides_population_knobs_and_refuses_bad_ones() -> None:
             ablation.parse_args(["--population", bad])
     with pytest.raises(ValueError, match="select_rate must be in"):  # the population's own validation
         ablation.make_population(ablation.parse_args(["--population", "select_rate=2"])[0], 0)
+
+
+def test_one_arm_alone_runs_without_a_verdict_and_bad_arms_are_refused() -> None:
+    assert ablation.parse_args([])[0].arms == ("assisted", "labels")
+    assert ablation.parse_args(["--arms", "assisted"])[0].arms == ("assisted",)
+    for bad in ("", "assisted,assisted", "labels,model", "all"):
+        with pytest.raises(SystemExit, match="--arms"):
+            ablation.parse_args(["--arms", bad])
+    gains = {"assisted": [3.0, 1.0, 2.0], "labels": [1.0, 2.0, -1.0]}
+    arms = {a: {"gain_points": {**ablation.spread(g), "per_seed": dict(enumerate(g))}} for a, g in gains.items()}
+    both = ablation._verdict(arms, (0, 1, 2))
+    assert both["difference_points"]["per_seed"] == {0: 2.0, 1: -1.0, 2: 3.0}
+    assert both["verdict"]["assisted_beats_labels_by_more_than_spread"] is False  # +1.33 < the larger std 1.53
+    assert ablation._verdict({"assisted": arms["assisted"]}, (0, 1, 2)) == {"difference_points": None, "verdict": None}
+    penalty = ablation.parse_args(["--rewards", "rl_uncertainty_penalty=1.5"])[0]
+    assert ablation.rewards_config(penalty, "assisted").rl_uncertainty_penalty == 1.5
+    with pytest.raises(SystemExit, match="--rewards"):
+        ablation.parse_args(["--rewards", "rl_uncertainty_penalty=-1"])
 
 
 def test_rewards_overrides_reach_both_arms_labels(db: tuple[str, Engine]) -> None:

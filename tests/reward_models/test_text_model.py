@@ -14,7 +14,7 @@ from sklearn.feature_extraction.text import TfidfVectorizer
 from reward_models import evaluation as ev
 from reward_models.config import RewardsConfig
 from reward_models.data import session_records, signal_records
-from reward_models.models import SklearnPointwise, setup_pointwise
+from reward_models.models import RewardBundle, SklearnPointwise, setup_pointwise
 from reward_models.synthetic import generate_events
 from reward_models.text_model import TextRewardModel, TfidfBlock
 from reward_models.train import fit_reward_models
@@ -169,6 +169,45 @@ def test_the_default_heads_are_the_text_model_and_survive_the_registry_pickle() 
     held = fit.test.reset_index()
     assert np.array_equal(restored.score(held), fit.bundle.score(held))
     assert fit.metrics["retention"]["auc"] > fit.metrics["retention"]["auc_logprob"]
+
+
+def test_the_fold_models_average_to_the_score_and_disagree_where_one_user_taught_it() -> None:
+    """Each user-fold model scores through the same calibration; their mean is the score, and their
+    spread is large only where the score rests on a few users: a marker one user alone labeled."""
+    train, y, _ = sessions(1500, seed=1)
+    one = (train["user_id"] == train["user_id"].iloc[0]).to_numpy()
+    train.loc[one, "completion_text"] = train.loc[one, "completion_text"] + " zebra zebra\n"
+    y = np.where(one, 1, y)
+    model = TextRewardModel().fit(train, y)
+    test, _, _ = sessions(300, seed=2)
+    members = model.member_scores(test)
+    assert members.shape == (4, 300)
+    np.testing.assert_allclose(members.mean(axis=0), model.score(test), atol=1e-9)
+    marked = test.assign(completion_text=test["completion_text"] + " zebra zebra\n")
+    plain_spread, marked_spread = members.std(axis=0), model.member_scores(marked).std(axis=0)
+    assert np.median(marked_spread) > 3 * np.median(plain_spread), (np.median(marked_spread), np.median(plain_spread))
+    bundle = RewardBundle(heads={"retention": model}, weights={"retention": 1.0})
+    score, error = bundle.score_with_error(marked)
+    assert np.array_equal(score, bundle.score(marked))
+    np.testing.assert_allclose(error, np.sqrt(3) * marked_spread, rtol=1e-9)  # jackknife: sqrt(M - 1) x spread
+    assert bundle.score_with_error(marked.iloc[:0])[1].shape == (0,)
+
+
+def test_one_text_model_or_a_head_without_folds_has_no_error() -> None:
+    train, y, _ = sessions(400, seed=3)
+    train = train.assign(lines_added=0, lines_removed=0)  # what the hashed head reads besides the text
+    refit = TextRewardModel(cv_max_rows=100).fit(train, y)  # the search on a sample, one model on all rows
+    test = sessions(50, seed=4)[0].assign(lines_added=0, lines_removed=0)
+    assert refit.member_scores(test).shape == (1, 50)
+    hashed = SklearnPointwise(RewardsConfig()).fit(train, y)
+    halves = {"retention": 0.5, "acceptance": 0.5}
+    bundle = RewardBundle(heads={"retention": refit, "acceptance": hashed}, weights=halves)
+    score, error = bundle.score_with_error(test)
+    assert np.array_equal(score, bundle.score(test)) and np.array_equal(error, np.zeros(50))
+    folds = TextRewardModel().fit(train, y)
+    both = RewardBundle(heads={"retention": folds, "acceptance": hashed}, weights=halves)
+    alone = RewardBundle(heads={"retention": folds}, weights={"retention": 1.0})
+    np.testing.assert_allclose(both.score_with_error(test)[1], 0.5 * alone.score_with_error(test)[1], rtol=1e-9)
 
 
 def test_term_cap_keeps_the_most_frequent_terms() -> None:
