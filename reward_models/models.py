@@ -201,10 +201,10 @@ class RewardBundle:
 
         A head with several models fitted on different users (the text model's user folds,
         :func:`head_members`) has the delete-a-group jackknife's error ``sqrt((M-1)/M * sum_m (s_m -
-        mean)^2)`` over its ``M`` models; a head of one model has none. The composite's error takes the
-        heads' errors as independent: ``sqrt(sum_k (w_k / sum w)^2 se_k^2)``. Large where the score
-        rests on few users' labels (text unlike anything most folds saw); what a pessimistic RL
-        reward subtracts (``RewardsConfig.rl_uncertainty_penalty``)."""
+        mean)^2)`` over its ``M`` models (around their own mean); a head of one model has none. The
+        composite's error takes the heads' errors as independent: ``sqrt(sum_k (w_k / sum w)^2
+        se_k^2)``. Large where the score rests on few users' labels (text unlike anything most folds
+        saw); what a pessimistic RL reward subtracts (``RewardsConfig.rl_uncertainty_penalty``)."""
         if len(frame) == 0:
             return np.zeros(0), np.zeros(0)
         variance = np.zeros(len(frame))

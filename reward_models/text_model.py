@@ -336,6 +336,7 @@ class TextRewardModel:
         groups = user_groups(frame, self.folds)
         rows = self._search_rows(len(frame))
         oof, self.cv_auc_, fold_models = self._search(design, y, weight, groups, rows)
+        self.fold_models_ = fold_models  # the chosen C's user-fold models: what member_scores spreads over
         if len(rows) == len(y) and fold_models:
             self.text_models_ = fold_models  # the very models whose out-of-fold scores the combiner sees
         else:
@@ -430,16 +431,18 @@ class TextRewardModel:
         return np.asarray(self.combiner_.decision_function(z), dtype=np.float64)
 
     def member_scores(self, frame: pd.DataFrame) -> np.ndarray:
-        """Calibrated log-odds per text model (rows: the user-fold models of the ``C`` search, or the one
-        model fitted on every row), shape ``(models, len(frame))``.
+        """Calibrated log-odds per user-fold model of the ``C`` search, shape ``(models, len(frame))``.
 
-        Each fold model saw the users of the other folds only, and the combiner is linear, so the rows'
-        mean is :meth:`score` (up to rounding) and their spread is how much the score depends on which
-        users trained it (a delete-a-group jackknife over users)."""
+        Each fold model saw the users of the other folds only, so their spread is how much the score
+        depends on which users trained it (a delete-a-group jackknife over users). On up to
+        ``cv_max_rows`` rows they are the models :meth:`score` averages (the combiner is linear, so the
+        rows' mean is the score up to rounding); above, they were fitted on the search's sample while
+        the score's model saw every row. Without a fold model (a fold of one class), the one model."""
+        models = getattr(self, "fold_models_", None) or self.text_models_  # a model pickled before folds were kept
         if len(frame) == 0:
-            return np.zeros((len(self.text_models_), 0))
+            return np.zeros((len(models), 0))
         design = self.features.design(frame.reset_index(drop=True))
-        texts = [m.decision_function(design.text)[design.pair] for m in self.text_models_]
+        texts = [m.decision_function(design.text)[design.pair] for m in models]
         if self.combiner_ is None:
             return np.asarray(texts, dtype=np.float64)
         numeric = self._scaled(design.numeric)

@@ -193,21 +193,22 @@ def test_the_fold_models_average_to_the_score_and_disagree_where_one_user_taught
     assert bundle.score_with_error(marked.iloc[:0])[1].shape == (0,)
 
 
-def test_one_text_model_or_a_head_without_folds_has_no_error() -> None:
+def test_a_model_refitted_on_every_row_keeps_its_folds_for_the_error_and_a_foldless_head_has_none() -> None:
     train, y, _ = sessions(400, seed=3)
     train = train.assign(lines_added=0, lines_removed=0)  # what the hashed head reads besides the text
     refit = TextRewardModel(cv_max_rows=100).fit(train, y)  # the search on a sample, one model on all rows
     test = sessions(50, seed=4)[0].assign(lines_added=0, lines_removed=0)
-    assert refit.member_scores(test).shape == (1, 50)
+    assert len(refit.text_models_) == 1 and refit.member_scores(test).shape == (4, 50)
+    alone = RewardBundle(heads={"retention": refit}, weights={"retention": 1.0})
+    score, error = alone.score_with_error(test)
+    assert np.array_equal(score, refit.score(test)) and np.all(error > 0)
+    old = pickle.loads(pickle.dumps(refit))
+    del old.fold_models_  # as pickled before the folds were kept: the one model, no error
+    assert np.array_equal(old.member_scores(test), refit.score(test)[None, :])
     hashed = SklearnPointwise(RewardsConfig()).fit(train, y)
-    halves = {"retention": 0.5, "acceptance": 0.5}
-    bundle = RewardBundle(heads={"retention": refit, "acceptance": hashed}, weights=halves)
-    score, error = bundle.score_with_error(test)
-    assert np.array_equal(score, bundle.score(test)) and np.array_equal(error, np.zeros(50))
-    folds = TextRewardModel().fit(train, y)
-    both = RewardBundle(heads={"retention": folds, "acceptance": hashed}, weights=halves)
-    alone = RewardBundle(heads={"retention": folds}, weights={"retention": 1.0})
-    np.testing.assert_allclose(both.score_with_error(test)[1], 0.5 * alone.score_with_error(test)[1], rtol=1e-9)
+    assert np.array_equal(RewardBundle(heads={"a": hashed}, weights={"a": 1.0}).score_with_error(test)[1], np.zeros(50))
+    both = RewardBundle(heads={"retention": refit, "acceptance": hashed}, weights={"retention": 0.5, "acceptance": 0.5})
+    np.testing.assert_allclose(both.score_with_error(test)[1], 0.5 * error, rtol=1e-9)  # weight 1/2, errors add
 
 
 def test_term_cap_keeps_the_most_frequent_terms() -> None:
