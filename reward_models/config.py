@@ -156,6 +156,13 @@ class RewardsConfig(BaseModel):
     """Epochs of the torch reward head."""
     torch_dim: int = Field(default=16, ge=1)
     """Hidden width of the torch reward head."""
+    error_folds: int = Field(default=4, ge=0)
+    """Folds of choosing users the pairwise head leaves out, one member each, for the score's error over users
+    (``RewardBundle.score_with_error``; the text heads' error comes from their own ``text_cv_folds``).
+    0 or 1: no members, that head adds no error."""
+    error_max_pairs: int = Field(default=50_000, ge=0)
+    """The pairwise head fits its members only on up to this many pairs (above, its error over users is
+    small and the members would cost a refit each)."""
     holdout_fraction: float = Field(default=0.2, gt=0.0, lt=1.0)
     """Newest fraction of sessions (by time) held out for evaluation."""
     min_train_rows: int = Field(default=20, ge=2)

@@ -31,11 +31,12 @@ import pandas as pd
 import scipy.sparse as sp
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.linear_model import LogisticRegression, SGDClassifier
+from sklearn.model_selection import GroupKFold
 from sklearn.pipeline import Pipeline
 
 from reward_models.config import RewardsConfig
 from reward_models.features import Featurizer
-from reward_models.text_model import TextRewardModel
+from reward_models.text_model import TextRewardModel, user_groups
 
 
 class Head(Protocol):
@@ -83,17 +84,26 @@ def pair_design(features: sp.csr_matrix, chosen: np.ndarray, rejected: np.ndarra
 
 
 class SklearnPairwise:
-    """Bradley-Terry from selections: logistic regression on feature differences, no intercept."""
+    """Bradley-Terry from selections: logistic regression on feature differences, no intercept.
+
+    Beside the model on every pair, up to ``config.error_folds`` members each fitted without one fold of
+    the choosing users' pairs (``GroupKFold`` by the chosen session's user), on at most
+    ``config.error_max_pairs`` pairs: their spread is the score's error over users (:meth:`member_scores`).
+    """
 
     def __init__(self, config: RewardsConfig) -> None:
+        self.config = config
         self.featurizer = Featurizer(config.hash_features)
-        self.clf = SGDClassifier(
+        self.clf = self._classifier()
+
+    def _classifier(self) -> SGDClassifier:
+        return SGDClassifier(
             loss="log_loss",
-            alpha=config.l2,
-            max_iter=config.sgd_epochs,
+            alpha=self.config.l2,
+            max_iter=self.config.sgd_epochs,
             tol=None,
             fit_intercept=False,
-            random_state=config.seed,
+            random_state=self.config.seed,
         )
 
     def fit(self, frame: pd.DataFrame, chosen: np.ndarray, rejected: np.ndarray, weight: np.ndarray) -> SklearnPairwise:
@@ -102,11 +112,39 @@ class SklearnPairwise:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ConvergenceWarning)
             self.clf.fit(design, target, sample_weight=np.concatenate([weight, weight]))
+            self.members_ = self._fit_members(frame, features, np.asarray(chosen), np.asarray(rejected), weight)
         return self
+
+    def _fit_members(
+        self, frame: pd.DataFrame, features: sp.csr_matrix, chosen: np.ndarray, rejected: np.ndarray, weight: np.ndarray
+    ) -> list[np.ndarray]:
+        """Coefficients of the models fitted without one fold of users' pairs each ([] when off, over the
+        pair cap, or with fewer than two users)."""
+        folds, n = self.config.error_folds, len(chosen)
+        if folds < 2 or n > self.config.error_max_pairs:
+            return []
+        users = user_groups(frame.reset_index(drop=True), folds)[chosen]  # a pair without a user: its own group
+        folds = min(folds, len(set(users)))
+        if folds < 2:
+            return []
+        members = []
+        for keep, _ in GroupKFold(folds).split(np.arange(n), groups=users):
+            design, target = pair_design(features, chosen[keep], rejected[keep])
+            clf = self._classifier().fit(design, target, sample_weight=np.concatenate([weight[keep], weight[keep]]))
+            members.append(np.asarray(clf.coef_, dtype=np.float64).ravel())
+        return members
 
     def score(self, frame: pd.DataFrame) -> np.ndarray:
         features = self.featurizer.transform(frame)
         return np.asarray(features @ self.clf.coef_.ravel(), dtype=np.float64)
+
+    def member_scores(self, frame: pd.DataFrame) -> np.ndarray:
+        """Scores per user-fold member, shape ``(members, len(frame))``; the one score without members."""
+        members = getattr(self, "members_", None) or []  # a head pickled before members were fitted: none
+        if not members:
+            return self.score(frame)[None, :]
+        features = self.featurizer.transform(frame)
+        return np.asarray([features @ coef for coef in members], dtype=np.float64)
 
 
 def setup_pointwise(config: RewardsConfig) -> Any:

@@ -336,7 +336,6 @@ class TextRewardModel:
         groups = user_groups(frame, self.folds)
         rows = self._search_rows(len(frame))
         oof, self.cv_auc_, fold_models = self._search(design, y, weight, groups, rows)
-        self.fold_models_ = fold_models  # the chosen C's user-fold models: what member_scores spreads over
         if len(rows) == len(y) and fold_models:
             self.text_models_ = fold_models  # the very models whose out-of-fold scores the combiner sees
         else:
@@ -386,9 +385,11 @@ class TextRewardModel:
         oof = {c: np.full(len(rows), np.nan) for c in self.c_grid}
         models: dict[float, list[LogisticRegression]] = {c: [] for c in self.c_grid}
         folds = min(self.folds, len(set(groups[rows])))
+        held: list[np.ndarray] = []  # positions in ``rows`` each kept fold model never saw
         for train, test in GroupKFold(folds).split(rows, groups=groups[rows]):
             if len(np.unique(y[rows[train]][weight[rows[train]] > 0])) < 2:
                 continue
+            held.append(test)
             test_pairs = design.text[design.pair[rows[test]]]
             for c in self.c_grid:
                 models[c].append(self._fit_text(c, design, y, weight, rows[train]))
@@ -398,6 +399,7 @@ class TextRewardModel:
         aucs = {c: _weighted_auc(y_s, oof[c][scored], w_s) for c in self.c_grid}
         valid = {c: a for c, a in aucs.items() if np.isfinite(a)}
         self.c_ = max(valid, key=lambda c: (valid[c], -abs(np.log(c)))) if valid else 1.0
+        self.fold_models_, self._held_rows = models[self.c_], held  # members of the score's error
         return oof, aucs, models[self.c_] if scored.all() else []
 
     def _fit_combination(self, text_score: np.ndarray, numeric: np.ndarray, y: np.ndarray, weight: np.ndarray) -> None:
@@ -406,6 +408,8 @@ class TextRewardModel:
         Fitted on scores of rows their text model never saw, it is the calibration too. A negative
         weight on the text score (a text ranking that fails across users) is refused: refitted without it.
         """
+        held: list[np.ndarray] = self.__dict__.pop("_held_rows", [])
+        self.fold_combiners_: list[LogisticRegression] = []
         scored = np.isfinite(text_score) & (weight > 0)
         z = np.column_stack([np.where(scored, text_score, 0.0), numeric])
         self.text_coef_ = 0.0
@@ -418,6 +422,17 @@ class TextRewardModel:
             clf = _quiet_fit(LogisticRegression(C=1.0, max_iter=1000), z[scored], y[scored], weight[scored])
         self.text_coef_ = float(clf.coef_[0, 0])
         self.combiner_ = clf
+        # One combiner per user fold, fitted without that fold's rows; with the fold's text model it is one
+        # member of member_scores. A fold whose other rows hold one class keeps the shared combiner.
+        for fold in held:
+            rest = scored.copy()
+            rest[fold] = False
+            if len(np.unique(y[rest])) < 2:
+                self.fold_combiners_.append(clf)
+                continue
+            self.fold_combiners_.append(
+                _quiet_fit(LogisticRegression(C=1.0, max_iter=1000), z[rest], y[rest], weight[rest])
+            )
 
     def score(self, frame: pd.DataFrame) -> np.ndarray:
         """Calibrated log-odds of a positive label per row."""
@@ -431,23 +446,29 @@ class TextRewardModel:
         return np.asarray(self.combiner_.decision_function(z), dtype=np.float64)
 
     def member_scores(self, frame: pd.DataFrame) -> np.ndarray:
-        """Calibrated log-odds per user-fold model of the ``C`` search, shape ``(models, len(frame))``.
+        """Calibrated log-odds per user fold, shape ``(folds, len(frame))``: each fold's text model of the
+        ``C`` search through that fold's combiner, both fitted without the fold's rows.
 
-        Each fold model saw the users of the other folds only, so their spread is how much the score
-        depends on which users trained it (a delete-a-group jackknife over users). On up to
-        ``cv_max_rows`` rows they are the models :meth:`score` averages (the combiner is linear, so the
-        rows' mean is the score up to rounding); above, they were fitted on the search's sample while
-        the score's model saw every row. Without a fold model (a fold of one class), the one model."""
-        models = getattr(self, "fold_models_", None) or self.text_models_  # a model pickled before folds were kept
+        Their spread is how much the score depends on which users trained it, in both stages (a
+        delete-a-group jackknife over users): wide where an answer's text or its numeric columns (its
+        length, the served logprobs) lie where few users' labels reach. Their mean is close to
+        :meth:`score`, not equal to it (the score's combiner saw every fold). Above ``cv_max_rows`` rows
+        the folds were fitted on the search's sample. Without a kept fold (a fold of one class) or in a
+        model pickled before folds were kept: the one score."""
+        models = getattr(self, "fold_models_", None) or []
+        combiners = getattr(self, "fold_combiners_", None) or []
         if len(frame) == 0:
-            return np.zeros((len(models), 0))
+            return np.zeros((max(len(models), 1), 0))
+        if not models or (self.combiner_ is not None and len(combiners) != len(models)):
+            return self.score(frame)[None, :]
         design = self.features.design(frame.reset_index(drop=True))
         texts = [m.decision_function(design.text)[design.pair] for m in models]
         if self.combiner_ is None:
             return np.asarray(texts, dtype=np.float64)
         numeric = self._scaled(design.numeric)
         return np.asarray(
-            [self.combiner_.decision_function(np.column_stack([text, numeric])) for text in texts], dtype=np.float64
+            [c.decision_function(np.column_stack([t, numeric])) for t, c in zip(texts, combiners, strict=True)],
+            dtype=np.float64,
         )
 
     def predict_proba(self, frame: pd.DataFrame) -> np.ndarray:
