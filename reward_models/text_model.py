@@ -43,6 +43,9 @@ Model, in two linear stages:
    :meth:`TextRewardModel.score` is a calibrated log-odds. A negative weight on the text score (a
    text ranking that fails on other users, as when one account floods inverted labels) is refused:
    the combination is refitted without it.
+3. Members for the score's error: the chosen ``C``'s user-fold text models, each with a combination
+   fitted without its fold's rows (:meth:`TextRewardModel.member_scores`); their spread is how much
+   the score depends on which users trained it (``RewardBundle.score_with_error``).
 
 Left out: isotonic calibration (its ties cost AUC, and a few hundred labels are too few for it),
 the served model's name (tried on RealHumanEval's four assistants: no gain over the response text),
