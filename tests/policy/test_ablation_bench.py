@@ -11,7 +11,7 @@ import math
 import sqlite3
 from collections.abc import Iterator
 from dataclasses import replace
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -116,20 +116,26 @@ def test_partial_signals_are_no_label_and_a_selection_labels_the_whole_group(db:
     assert session_rewards(engine, RewardsConfig(rl_reward="labels"), now)[ids_b[2]] == 0.0
 
 
-def test_rl_reward_switch_scores_unlabeled_sessions_only_when_assisted(db: tuple[str, Engine], tmp_path: Path) -> None:
-    from reward_models.registry import current_promoted
+def _promoted_model(engine: Engine, tmp_path: Path, fresh: int, seed: int) -> tuple[datetime, list[dict[str, Any]]]:
+    """A reward model trained and promoted on three days of synthetic telemetry, then ``fresh`` sessions
+    served in the hour before ``now`` with no signal yet (not stored). Returns ``now`` and those sessions."""
     from reward_models.synthetic import generate_events
     from reward_models.train import train_reward_models
 
-    _, engine = db
-    start = ablation.T0
-    events, _ = generate_events(500, seed=3, start=start, span_s=3 * 86400.0)
+    events, _ = generate_events(500, seed=3, start=ablation.T0, span_s=3 * 86400.0)
     _store(engine, events)
-    now = start + timedelta(days=5)
-    report = train_reward_models(engine, RewardsConfig(), tmp_path, now=now)
-    assert report.promoted and current_promoted(engine) is not None
-    fresh_events, _ = generate_events(30, seed=11, start=now - timedelta(hours=1), span_s=600.0, now=now)
-    fresh = [e for e in fresh_events if e["type"] == "session.completed"]
+    now = ablation.T0 + timedelta(days=5)
+    assert train_reward_models(engine, RewardsConfig(), tmp_path, now=now).promoted
+    fresh_events, _ = generate_events(fresh, seed=seed, start=now - timedelta(hours=1), span_s=600.0, now=now)
+    return now, [e for e in fresh_events if e["type"] == "session.completed"]
+
+
+def test_rl_reward_switch_scores_unlabeled_sessions_only_when_assisted(db: tuple[str, Engine], tmp_path: Path) -> None:
+    from reward_models.registry import current_promoted
+
+    _, engine = db
+    now, fresh = _promoted_model(engine, tmp_path, fresh=30, seed=11)
+    assert current_promoted(engine) is not None
     _store(engine, fresh)  # served, no signal arrived yet
     fresh_ids = {e["session_id"] for e in fresh}
     group_events, group_ids = _group_events("p")  # a group where only the pick's rejection was reported
@@ -170,16 +176,10 @@ def test_a_pessimistic_reward_lowers_model_scores_by_their_error_and_keeps_label
     """``rl_uncertainty_penalty``: a model-scored session trains on ``sigmoid(score - penalty x error)``,
     the error being the score's spread over the users who trained the model; labels are untouched."""
     from reward_models.api import load_scorer
-    from reward_models.synthetic import generate_events
-    from reward_models.train import train_reward_models
 
     _, engine = db
-    events, _ = generate_events(500, seed=3, start=ablation.T0, span_s=3 * 86400.0)
-    _store(engine, events)
-    now = ablation.T0 + timedelta(days=5)
-    assert train_reward_models(engine, RewardsConfig(), tmp_path, now=now).promoted
-    fresh_events, _ = generate_events(40, seed=12, start=now - timedelta(hours=1), span_s=600.0, now=now)
-    _store(engine, [e for e in fresh_events if e["type"] == "session.completed"])
+    now, fresh = _promoted_model(engine, tmp_path, fresh=40, seed=12)
+    _store(engine, fresh)
 
     mean = session_rewards(engine, RewardsConfig(), now)
     assert session_rewards(engine, RewardsConfig(rl_uncertainty_penalty=0.0), now) == mean
@@ -217,16 +217,8 @@ def _logprobs(event: dict[str, Any]) -> list[float]:
 def test_hiding_confidence_from_the_reward_model(db: tuple[str, Engine], tmp_path: Path) -> None:
     """The promoted model scores served logprobs (they predict keeps on this data): shown (the default),
     an answer served more confidently earns more; hidden, the text alone decides and it earns the same."""
-    from reward_models.synthetic import generate_events
-    from reward_models.train import train_reward_models
-
     _, engine = db
-    events, _ = generate_events(500, seed=3, start=ablation.T0, span_s=3 * 86400.0)
-    _store(engine, events)
-    now = ablation.T0 + timedelta(days=5)
-    assert train_reward_models(engine, RewardsConfig(), tmp_path, now=now).promoted
-    fresh_events, _ = generate_events(30, seed=11, start=now - timedelta(hours=1), span_s=600.0, now=now)
-    fresh = [e for e in fresh_events if e["type"] == "session.completed"]
+    now, fresh = _promoted_model(engine, tmp_path, fresh=30, seed=11)
     _store(engine, fresh + [_sharper_twin(e) for e in fresh])
     pairs = [(e["session_id"], f"{e['session_id']}-twin") for e in fresh]
 
