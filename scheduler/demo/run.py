@@ -4,16 +4,16 @@ train reward models and new policy versions, and the versions roll out through t
 Timeline: settings for this run (a fresh directory under ``<home>/demo``, env for the child
 processes) -> v0 (cached warm-up) -> the stack (:class:`scheduler.demo.stack.DemoStack`) -> the
 traffic phase: simulated developers (:mod:`scheduler.demo.developers`) replay one day of the
-ServeGen trace compressed into ``minutes``; whenever enough new candidate groups were stored and
-no update is running, the orchestrator submits the loop as one Celery chain (``collect -> retrain
--> rl_update -> snapshot -> canary -> promote -> evaluate``) to the worker, which borrows a replica
-through the planner (only when the forecast of the trace's next window leaves one to lend), trains
-on production rollouts, stores the version as a delta, and deploys it through the gate. Once, after
-a version was promoted, a **gate drill** submits an update with a destructive learning rate: its
-answers degenerate (repetition to the token limit) and its acceptance collapses, and the gate must
-roll it back. The updates skip the held-out
-evaluation (it costs more than their training and would hold up the next update): once the traffic
-phase is over, every version but the drill's (not meant to serve) is evaluated in parallel processes
+ServeGen trace compressed into ``minutes``; whenever enough new groups (candidate groups, parallel
+agent sessions) were stored and no update is running, the orchestrator submits the loop as one
+Celery chain (``collect -> retrain -> rl_update -> snapshot -> canary -> promote -> evaluate``) to
+the worker, which borrows a replica through the planner (only when the forecast of the trace's next
+window leaves one to lend), trains on production rollouts, stores the version as a delta, and
+deploys it through the gate. Once, after a version was promoted, a **gate drill** submits an update
+with a destructive learning rate: its answers degenerate (repetition to the token limit) and its
+acceptance collapses, and the gate must roll it back. The updates skip the held-out evaluation (it
+costs more than their training and would hold up the next update): once the traffic phase is over,
+every version but the drill's (not meant to serve) is evaluated in parallel processes
 (:mod:`scheduler.demo.heldout`). By default (``population``) the developers are drawn from
 :mod:`scheduler.demo.population` (partial, noisy, late signals) and every version is also scored by
 their true utility; ``population=False`` (``--deterministic``) gives developers who follow the
@@ -95,7 +95,8 @@ class DemoOptions:
     max_epochs: float = 2.0
     """Passes over its rewarded groups an update takes at most (``policy.rl_max_epochs``)."""
     min_new_groups: int = 8
-    """New candidate groups stored before the next update is submitted."""
+    """New groups stored (candidate groups and groups of agent sessions) before the next update is
+    submitted."""
     drill: bool = True
     """Run the gate drill (a deliberately destructive update) once a version was promoted."""
     drill_lr: float = 0.05
@@ -209,12 +210,15 @@ class Orchestrator:
         return max(done) if done else self.opts.expected_update_s
 
     def groups(self) -> int:
+        """Groups stored so far that an update trains on: candidate groups (the K choices of one request)
+        and groups of parallel agent sessions on one task (``turn.group``, one row per turn)."""
         from sqlalchemy import func, select
 
         from ingest.tables import SessionRow
 
+        group = func.coalesce(SessionRow.group_id, SessionRow.extra["turn"]["group"].as_string())
         with self.stack.engine.connect() as conn:
-            return int(conn.scalar(select(func.count(func.distinct(SessionRow.group_id)))) or 0)
+            return int(conn.scalar(select(func.count(func.distinct(group)))) or 0)
 
     def submit(self, kind: str) -> None:
         from scheduler.loop.state import LoopState, RLInputs
@@ -262,7 +266,7 @@ class Orchestrator:
             return "no new updates (end of the traffic phase)"
         new = self.groups() - self.groups_at_submit
         if new < self.opts.min_new_groups:
-            return f"collecting data ({new}/{self.opts.min_new_groups} new candidate groups)"
+            return f"collecting data ({new}/{self.opts.min_new_groups} new groups)"
         kind = "drill" if self.opts.drill and self.promoted >= 1 and not self.drilled else "update"
         self.drilled = self.drilled or kind == "drill"
         self.submit(kind)

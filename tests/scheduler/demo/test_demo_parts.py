@@ -1,7 +1,11 @@
-"""The demo's parts that are pure functions: the fleet's load history, the developers' arrivals and
-retention, and the production trainer's batch plan (malformed, empty and hostile inputs included)."""
+"""The demo's parts: the fleet's load history, the developers' arrivals and retention, the production
+trainer's batch plan (malformed, empty and hostile inputs included), and what triggers an update
+(on both databases)."""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -106,3 +110,47 @@ def test_batch_plan_caps_the_passes_over_short_data() -> None:
         plenty, steps=8, groups_per_step=2, seed=1
     )  # enough data: the cap changes nothing
     assert len(plan_batches([_rollout(None, "a")], steps=4, groups_per_step=8, seed=0, max_epochs=0.5)) == 1
+
+
+def test_the_update_trigger_counts_candidate_groups_and_groups_of_agent_sessions(engine: Any, tmp_path: Path) -> None:
+    """The demo submits an update once enough trainable groups were stored: the K choices of one request
+    and the parallel agent sessions on one task (stored one row per turn, the group in ``turn.group``)
+    count once each; a session alone (a tab completion, an agent session without a group) does not."""
+    from datetime import UTC, datetime
+    from types import SimpleNamespace
+
+    from ingest.db import transaction
+    from ingest.tables import SessionRow
+    from scheduler.demo.run import DemoOptions, Orchestrator
+    from scheduler.settings import Settings
+
+    now = datetime.now(UTC)
+
+    def row(sid: str, group: str | None = None, turn: dict[str, Any] | None = None) -> SessionRow:
+        extra: dict[str, Any] = {"sampling": {"temperature": 1.0}}
+        if turn is not None:
+            extra["turn"] = turn
+        return SessionRow(
+            session_id=sid,
+            event_id=f"ev-{sid}",
+            occurred_at=now,
+            received_at=now,
+            model="undertow",
+            policy_version="v0000",
+            group_id=group,
+            completion_text="x",
+            extra=extra,
+        )
+
+    rows = [row(f"c{i}", group="grp-req") for i in range(4)]  # one request's 4 choices
+    rows += [row("single")]  # a completion alone
+    for agent in ("a1", "a2"):  # two parallel agent sessions on one task, two turns each
+        rows += [row(f"{agent}-t{t}", turn={"session_id": agent, "index": t, "group": "grp-task"}) for t in range(2)]
+    rows += [row("solo-t0", turn={"session_id": "solo", "index": 0})]  # an agent session without a group
+    with transaction(engine) as session:
+        session.add_all(rows)
+    orch = Orchestrator(Settings(home=tmp_path), SimpleNamespace(engine=engine), DemoOptions())
+    assert orch.groups() == 2
+    with transaction(engine) as session:
+        session.add(row("b-t0", turn={"session_id": "b", "index": 0, "group": "grp-other"}))
+    assert orch.groups() == 3

@@ -75,7 +75,7 @@ def test_demo_loop_produces_a_gated_version(tmp_path: Path) -> None:
     json.dumps(report)  # the --json output is plain data
     assert all(key in report for key in FIELDS), sorted(report)
     new = [v for v in report["versions"] if v["parent"]]
-    assert new, f"no new version; failed updates: {report['failed_updates']}"
+    assert new, f"no new version; failed updates: {report['failed_updates']}; developers: {report['developers']}"
     gated = [v for v in new if v["rollout"] in ("succeeded", "rolled_back")]
     assert gated, report["versions"]
     for v in gated:
