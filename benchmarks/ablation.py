@@ -83,9 +83,10 @@ the truth) instead of the model's score; the same sessions, labels and plan. A r
 accuracy that gains less than this control loses by its error being the same in every update (a
 function of the text), which the policy can follow, not by its accuracy.
 
-A pessimistic assisted arm: ``--rewards rl_uncertainty_penalty=1`` trains model-scored sessions on the
-score minus one standard error over the users who trained the model. ``--arms assisted`` runs that arm
-alone; labels-only is deterministic on one machine, so it pairs by seed with an earlier run's.
+The assisted arm is pessimistic by default (``RewardsConfig.rl_uncertainty_penalty`` 2: model-scored
+sessions train on the score minus two standard errors over the users who trained the model);
+``--rewards rl_uncertainty_penalty=0`` gives the plain score. ``--arms assisted`` runs that arm alone;
+labels-only is deterministic on one machine, so it pairs by seed with an earlier run's.
 
 Run: ``python benchmarks/ablation.py`` (defaults: seeds 0,1,2, 16 rounds of 32 groups; ``--quick`` for a
 smoke run).

@@ -13,9 +13,9 @@ scheduler builds it from its settings sections and the job's :class:`TrainReques
   model's score (:func:`reward_models.api.load_scorer`) as a keep probability ``sigmoid(score)``,
   for every member of a group nobody labeled (GRPO compares a group's members, so their rewards
   share one scale; a group with some labels keeps them, its unlabeled members wait); with
-  ``RewardsConfig.rl_uncertainty_penalty`` the score is first lowered by that many standard errors
-  over the users who trained the model (a pessimistic reward where the model only guesses);
-  sessions with neither are skipped. ``RewardsConfig.rl_reward = "labels"`` drops the second
+  ``RewardsConfig.rl_uncertainty_penalty`` (2 by default) the score is first lowered by that many
+  standard errors over the users who trained the model (a pessimistic reward where the model only
+  guesses); sessions with neither are skipped. ``RewardsConfig.rl_reward = "labels"`` drops the second
   source: only labeled sessions are trained on (``benchmarks/ablation.py`` compares the two);
 - **trajectories**: the turns of an agent session are one trajectory (:mod:`policy.trajectories`:
   only generated tokens trained, each turn's served logprobs, replay across turns, windows at
