@@ -115,42 +115,36 @@ def test_batch_plan_caps_the_passes_over_short_data() -> None:
 def test_the_update_trigger_counts_candidate_groups_and_groups_of_agent_sessions(engine: Any, tmp_path: Path) -> None:
     """The demo submits an update once enough trainable groups were stored: the K choices of one request
     and the parallel agent sessions on one task (stored one row per turn, the group in ``turn.group``)
-    count once each; a session alone (a tab completion, an agent session without a group) does not."""
-    from datetime import UTC, datetime
+    count once each; a session alone (a tab completion, an agent session without a group) does not.
+    The events go through the wire contract and the consumer's writer, so the rows are stored as ingest
+    stores them."""
     from types import SimpleNamespace
 
     from ingest.db import transaction
-    from ingest.tables import SessionRow
+    from ingest.schemas import validate_event
+    from ingest.synthetic import flat_session
+    from ingest.writer import write_events
     from scheduler.demo.run import DemoOptions, Orchestrator
     from scheduler.settings import Settings
 
-    now = datetime.now(UTC)
+    n = iter(range(100))
 
-    def row(sid: str, group: str | None = None, turn: dict[str, Any] | None = None) -> SessionRow:
-        extra: dict[str, Any] = {"sampling": {"temperature": 1.0}}
-        if turn is not None:
-            extra["turn"] = turn
-        return SessionRow(
-            session_id=sid,
-            event_id=f"ev-{sid}",
-            occurred_at=now,
-            received_at=now,
-            model="undertow",
-            policy_version="v0000",
-            group_id=group,
-            completion_text="x",
-            extra=extra,
-        )
+    def event(**payload: Any) -> dict[str, Any]:
+        e = flat_session(next(n), seed=5, n_tokens=4)
+        e["payload"].update(payload)
+        return e
 
-    rows = [row(f"c{i}", group="grp-req") for i in range(4)]  # one request's 4 choices
-    rows += [row("single")]  # a completion alone
+    def store(events: list[dict[str, Any]]) -> None:
+        with transaction(engine) as session:
+            write_events(session, [validate_event(e) for e in events])
+
+    events = [event(group_id="grp-req", candidate_index=i) for i in range(4)]  # one request's 4 choices
+    events += [event()]  # a completion alone
     for agent in ("a1", "a2"):  # two parallel agent sessions on one task, two turns each
-        rows += [row(f"{agent}-t{t}", turn={"session_id": agent, "index": t, "group": "grp-task"}) for t in range(2)]
-    rows += [row("solo-t0", turn={"session_id": "solo", "index": 0})]  # an agent session without a group
-    with transaction(engine) as session:
-        session.add_all(rows)
+        events += [event(turn={"session_id": agent, "index": t, "group": "grp-task"}) for t in range(2)]
+    events += [event(turn={"session_id": "solo", "index": 0})]  # an agent session without a group
+    store(events)
     orch = Orchestrator(Settings(home=tmp_path), SimpleNamespace(engine=engine), DemoOptions())
     assert orch.groups() == 2
-    with transaction(engine) as session:
-        session.add(row("b-t0", turn={"session_id": "b", "index": 0, "group": "grp-other"}))
+    store([event(turn={"session_id": "b", "index": 0, "group": "grp-other"})])
     assert orch.groups() == 3
