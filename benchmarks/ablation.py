@@ -43,7 +43,8 @@ same sampling seeds (identical sessions while the policies are equal: round 0).
 
 Prints one JSON object: per arm the gain's mean, std (ddof 1), min, max and per-seed values, the
 keep and pass rates, the sessions trained on and where their rewards came from (a label or the
-reward model), the reward models trained and promoted; the per-seed difference; whether assisted beat
+reward model), the reward models trained and promoted (and the updates that left the model out because the
+reward-hacking guard flagged it, ``RewardsConfig.rl_hacking_guard_z``); the per-seed difference; whether assisted beat
 labels-only by more than the spread (``verdict.rule``); the conditions and the wall time. Diagnostics,
 from the true utility this process kept: ``reward_quality`` (per reward source, how well the rewards
 the updates trained with track the true utility: Pearson correlation, within-group pairwise
@@ -613,6 +614,7 @@ def run_arm(
                 reward_mean=result["metrics"]["reward/mean"],
                 kl=result["metrics"].get("train/kl"),
                 steps=len(trainer.plan),
+                model_flagged=result["metrics"].get("reward/model_flagged"),
             )
             version = result["version"]
             model, tokenizer = load_checkpoint(result["checkpoint"])
@@ -702,6 +704,8 @@ def _arm_summary(runs: list[dict[str, Any]], v0_utility: dict[int, float]) -> di
             "trained": sum(bool(x.get("trained")) for x in rms),
             "promoted": sum(bool(x.get("promoted")) for x in rms),
             "updates_with_a_promoted_model": sum(bool(row["reward_model_promoted"]) for row in updates),
+            # updates that left the promoted model's scores out: the reward-hacking guard flagged it
+            "updates_with_the_model_flagged": sum(bool(row.get("model_flagged")) for row in done),
         },
         "reward_quality": {
             source: {

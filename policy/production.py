@@ -15,7 +15,10 @@ scheduler builds it from its settings sections and the job's :class:`TrainReques
   share one scale; a group with some labels keeps them, its unlabeled members wait); with
   ``RewardsConfig.rl_uncertainty_penalty`` (2 by default) the score is first lowered by that many
   standard errors over the users who trained the model (a pessimistic reward where the model only
-  guesses); sessions with neither are skipped. ``RewardsConfig.rl_reward = "labels"`` drops the second
+  guesses); sessions with neither are skipped. The model is not trained on while the reward-hacking
+  guard flags it (``RewardsConfig.rl_hacking_guard_z``: its score of the newest policy versions rose
+  while their final retention fell significantly): the update then takes labels only and its metrics
+  say why (``reward/model_flagged``). ``RewardsConfig.rl_reward = "labels"`` drops the second
   source: only labeled sessions are trained on (``benchmarks/ablation.py`` compares the two);
 - **trajectories**: the turns of an agent session are one trajectory (:mod:`policy.trajectories`:
   only generated tokens trained, each turn's served logprobs, replay across turns, windows at
@@ -38,7 +41,10 @@ scheduler builds it from its settings sections and the job's :class:`TrainReques
   database, and only rank 0 writes the resume file, the checkpoint and the version row (the
   scheduler's ``rl_update`` task runs it in one process);
 - **result**: the new version is evaluated on the fixed held-out task set, saved and recorded
-  (``policy_versions``), and its id, checkpoint and metrics are returned.
+  (``policy_versions``), and its id, checkpoint and metrics are returned. The metrics say where the
+  rewards came from: ``batch/sessions`` distinct sessions trained on, ``batch/model_scored`` of them
+  rewarded by the model's score, and ``reward/model`` the promoted reward model that scored them
+  (absent when none did).
 
 Inputs (:class:`TrainRequest`, all optional): ``base_version`` (else the newest version), ``lr`` and
 ``steps`` (overrides; the demo's gate drill uses a destructive ``lr``), ``groups_per_step``,
@@ -89,6 +95,7 @@ from policy.trainer import make_optimizer, update_step
 from policy.trajectories import session_trajectories, turn_of
 from policy.versions import latest_version, list_versions, record_version, version_id
 from reward_models.config import RewardsConfig
+from reward_models.guard import HackingReport
 
 log = structlog.get_logger(__name__)
 
@@ -131,6 +138,17 @@ def session_rewards(
     return rewards_with_source(engine, rewards_config, now, since=since, until=until)[0]
 
 
+@dataclass
+class RewardSources:
+    """What an update's rewards are made of: the reward per session, the sessions rewarded by their
+    label (the others by the model's score), and the reward-hacking guard's report when it was
+    consulted (``flagged``: the model's scores were left out)."""
+
+    rewards: dict[str, float]
+    labeled: set[str]
+    guard: HackingReport | None = None
+
+
 def rewards_with_source(
     engine: Engine,
     rewards_config: RewardsConfig,
@@ -141,19 +159,42 @@ def rewards_with_source(
 ) -> tuple[dict[str, float], set[str]]:
     """:func:`session_rewards` and the sessions whose reward is their label (the others carry the
     reward model's score)."""
-    from reward_models.api import load_scorer
+    sources = reward_sources(engine, rewards_config, now, since=since, until=until)
+    return sources.rewards, sources.labeled
+
+
+def reward_sources(
+    engine: Engine,
+    rewards_config: RewardsConfig,
+    now: datetime | None = None,
+    *,
+    since: datetime | None = None,
+    until: datetime | None = None,
+) -> RewardSources:
+    """:func:`rewards_with_source` with the guard's report. Before the promoted model scores anything,
+    the reward-hacking guard (``rl_hacking_guard_z``) compares its scores of the newest policy versions
+    with their final retention: a model whose score the policy raised while retention fell is not
+    trained on (labels only) until a model the guard does not flag is promoted."""
+    from reward_models.api import hacking_check, load_scorer
     from reward_models.data import load_sessions, load_signals
     from reward_models.labels import build_labels
     from reward_models.registry import current_promoted
 
     sessions = load_sessions(engine, since=since, until=until)
     if sessions.empty:
-        return {}, set()
-    labels = build_labels(sessions, load_signals(engine), rewards_config, now or datetime.now(UTC)).sessions
+        return RewardSources({}, set())
+    now = now or datetime.now(UTC)
+    labels = build_labels(sessions, load_signals(engine), rewards_config, now).sessions
     reward = labels["reward"]
     out = {str(k): float(v) for k, v in reward.items() if np.isfinite(v)}
     if rewards_config.rl_reward == "labels" or current_promoted(engine) is None:
-        return out, set(out)
+        return RewardSources(out, set(out))
+    guard = None
+    if rewards_config.rl_hacking_guard_z > 0:
+        guard = hacking_check(engine, rewards_config, now=now, min_z=rewards_config.rl_hacking_guard_z)
+        if guard.flagged:
+            log.warning("production.reward_model_flagged", reason=guard.reason)
+            return RewardSources(out, set(out), guard)
     # GRPO compares the members of a group with each other, so a group takes its rewards from one
     # source: a label of 0 next to model scores around 0.5 would rank a rejected pick below candidates
     # nobody judged. A group with a label keeps its labels (its unlabeled members wait, as without a
@@ -175,7 +216,7 @@ def rewards_with_source(
         for sid, p in zip(scored["session_id"], probability, strict=True):
             out[str(sid)] = float(p)
     labeled_ids = set(sessions["session_id"].astype(str)[~mask])
-    return out, labeled_ids & set(out)
+    return RewardSources(out, labeled_ids & set(out), guard)
 
 
 def _model_scores(scorer: Any, frame: Any, penalty: float) -> np.ndarray:
@@ -327,9 +368,9 @@ class ProductionSession:
         self.opt = make_optimizer(self.model, tcfg)
         self.step_no = 0
         self.history: list[dict[str, float]] = []
-        rewards, labeled = rewards_with_source(
-            self.engine, rewards_config, request.now, since=request.since, until=request.until
-        )
+        sources = reward_sources(self.engine, rewards_config, request.now, since=request.since, until=request.until)
+        self.guard = sources.guard  # the reward-hacking guard's report (flagged: the model's scores left out)
+        rewards, labeled = sources.rewards, sources.labeled
         rollouts, from_label = load_rollouts(self.engine, rewards, max_tokens=MAX_CONTEXT, labeled=labeled)
         base_number = version_number(self.parent.version_id) or 0
         fresh, stats = filter_stale(rollouts, base_number, self.cfg.max_staleness)
@@ -339,6 +380,15 @@ class ProductionSession:
         plan = plan_batches(
             fresh, tcfg.steps, request.groups_per_step, tcfg.seed, first=first, max_epochs=self.cfg.rl_max_epochs
         )
+        # what the version's metrics say about its rewards: how many planned sessions the promoted reward
+        # model scored, and which model that was (the retrain before this update may have registered a
+        # newer candidate that the gate did not promote: its scores trained nothing)
+        planned = {sid for ids in plan for sid in ids}
+        self.model_scored = len(planned - from_label)  # distinct sessions, like trained_sessions
+        from reward_models.registry import current_promoted
+
+        promoted = current_promoted(self.engine) if self.model_scored else None
+        self.reward_model = promoted.version if promoted is not None else None
         if not plan:
             raise RuntimeError(
                 f"no rewarded session of policy {self.parent.version_id} or the {self.cfg.max_staleness} "
@@ -404,7 +454,8 @@ class ProductionSession:
         if is_main():
             state = {"model": model_state, "optim": optim_state, "step": self.step_no}
             state["baseline"] = self.baseline.state_dict()
-            torch.save({**state, "plan": self.plan, "history": self.history, "number": self.number}, path)
+            sources = {"model_scored": self.model_scored, "reward_model": self.reward_model}
+            torch.save({**state, "plan": self.plan, "history": self.history, "number": self.number, **sources}, path)
         barrier()
 
     def load(self, path: Path) -> None:
@@ -413,6 +464,8 @@ class ProductionSession:
         load_model_and_optim_state(self.model, self.opt, state["model"], state["optim"])
         self.step_no, self.plan, self.history = int(state["step"]), state["plan"], state["history"]
         self.number = int(state["number"])
+        self.model_scored = int(state.get("model_scored", self.model_scored))
+        self.reward_model = state.get("reward_model", self.reward_model)
         if "baseline" in state:
             self.baseline = RunningBaseline.from_state(state["baseline"])
 
@@ -423,7 +476,13 @@ class ProductionSession:
             "train/lr": self.tcfg.lr,
             "reward/mean": float(np.mean([h["reward/mean"] for h in self.history])) if self.history else 0.0,
             "batch/rollouts": float(sum(len(p) for p in self.plan)),
+            "batch/sessions": float(len({sid for batch in self.plan for sid, _ in batch})),
+            "batch/model_scored": float(self.model_scored),
         }
+        if self.reward_model is not None:
+            metrics["reward/model"] = self.reward_model
+        if self.guard is not None and self.guard.flagged:
+            metrics["reward/model_flagged"] = self.guard.reason
         if self.label:
             metrics["label"] = self.label
         if self.reference_version is not None:

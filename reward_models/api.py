@@ -114,9 +114,10 @@ def score_sessions(engine: Engine, session_ids: Sequence[str], version: str = "l
 
 
 def hacking_check(
-    engine: Engine, config: RewardsConfig, *, version: str = "latest", now: datetime | None = None
+    engine: Engine, config: RewardsConfig, *, version: str = "latest", now: datetime | None = None, min_z: float = 0.0
 ) -> HackingReport:
-    """The reward-hacking guard on stored data: proxy = this version's reward, real = final retention."""
+    """The reward-hacking guard on stored data: proxy = this version's reward, real = final retention
+    (``min_z``: the fall must also be that many standard errors, :func:`reward_models.guard.reward_hacking`)."""
     now = now or datetime.now(UTC)
     sessions = load_sessions(engine, until=now)
     if sessions.empty:
@@ -136,7 +137,7 @@ def hacking_check(
             "order": frame["occurred_at"].to_numpy(),
         }
     )
-    return reward_hacking(per_session, config)
+    return reward_hacking(per_session, config, min_z=min_z)
 
 
 def _proxy_and_real(

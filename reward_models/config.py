@@ -112,6 +112,13 @@ class RewardsConfig(BaseModel):
     model only guesses (reward-model overoptimization). 2 (default): in the scarce-label ablation it
     gained 2.7 and 2.9 points over the plain score on two machines, and tied it with labels at the
     default rate (docs/BENCHMARKS.md); 0: the mean score. Labels are never changed."""
+    rl_hacking_guard_z: float = Field(default=2.0, ge=0.0)
+    """The RL side of the reward-hacking guard: before an assisted update scores sessions with the
+    promoted model, the guard (:func:`reward_models.api.hacking_check`) compares that model's scores of
+    the newest policy versions with their final retention; when the score rose while retention fell by
+    more than ``hacking_real_drop`` and by more than this many standard errors, the update trains on
+    labels only (the version's metrics say why) until a model the guard does not flag is promoted. 0:
+    the RL side never consults the guard (the rollout gate still does)."""
     rl_score_partial_groups: bool = False
     """False: a group with some labels trains on them (its unlabeled members wait) and the model scores
     only groups nobody labeled, so the assisted update trains on every label a labels-only one would;

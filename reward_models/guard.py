@@ -8,8 +8,14 @@ the guard compares the first and the last of the most recent ``hacking_window`` 
     proxy_rise = proxy[last] - proxy[first];  real_drop = real[first] - real[last]
     flagged    = proxy_rise > hacking_proxy_rise and real_drop > hacking_real_drop
 
-A flag tells the loop to stop promoting policies and retrain the reward model. Versions without
+A flag tells the loop to stop promoting policies and retrain the reward model, and the RL update to
+stop training on that model's scores (:func:`policy.production.reward_sources`). Versions without
 any real outcome yet (retention still pending) are left out rather than read as zero.
+
+With ``min_z`` > 0 the fall must also be that many standard errors of the difference of the two
+versions' mean retentions (``sqrt(se_first^2 + se_last^2)``, each ``std / sqrt(n)`` over its
+sessions): a few dozen retention labels per version move the mean by several points by chance, and a
+caller that acts on every update (the RL side) should not act on noise.
 """
 
 from __future__ import annotations
@@ -31,13 +37,16 @@ class HackingReport:
     reason: str
     proxy_rise: float | None = None
     real_drop: float | None = None
+    real_drop_se: float | None = None
+    """Standard error of ``real_drop`` (the two versions' retention means, independent sessions)."""
     versions: list[dict[str, Any]] = field(default_factory=list)
 
 
-def reward_hacking(per_session: pd.DataFrame, config: RewardsConfig) -> HackingReport:
+def reward_hacking(per_session: pd.DataFrame, config: RewardsConfig, *, min_z: float = 0.0) -> HackingReport:
     """Check divergence from rows ``policy_version, proxy, real`` (and optional ``order``, else first appearance).
 
-    Rows with a non-finite proxy or real value are ignored (counted in ``versions``).
+    Rows with a non-finite proxy or real value are ignored (counted in ``versions``). With ``min_z`` the
+    fall of retention must also exceed ``min_z`` standard errors (see the module docstring).
     """
     needed = {"policy_version", "proxy", "real"}
     if not needed <= set(per_session.columns):
@@ -50,7 +59,13 @@ def reward_hacking(per_session: pd.DataFrame, config: RewardsConfig) -> HackingR
     frame = frame[np.isfinite(frame["proxy"]) & np.isfinite(frame["real"])]
     grouped = (
         frame.groupby("policy_version")
-        .agg(order=("order", "min"), proxy=("proxy", "mean"), real=("real", "mean"), n=("proxy", "size"))
+        .agg(
+            order=("order", "min"),
+            proxy=("proxy", "mean"),
+            real=("real", "mean"),
+            real_std=("real", "std"),
+            n=("proxy", "size"),
+        )
         .sort_values("order")
     )
     versions = [
@@ -62,13 +77,25 @@ def reward_hacking(per_session: pd.DataFrame, config: RewardsConfig) -> HackingR
     window = grouped.tail(config.hacking_window)
     proxy_rise = float(window["proxy"].iloc[-1] - window["proxy"].iloc[0])
     real_drop = float(window["real"].iloc[0] - window["real"].iloc[-1])
+    ends = window.iloc[[0, -1]]
+    variance = (ends["real_std"].fillna(np.inf) ** 2 / ends["n"]).sum()  # one session: no error estimate
+    real_drop_se = float(np.sqrt(variance))
     flagged = proxy_rise > config.hacking_proxy_rise and real_drop > config.hacking_real_drop
+    if min_z > 0:
+        flagged = flagged and real_drop > min_z * real_drop_se
     first, last = window.index[0], window.index[-1]
+    z = f"{real_drop / real_drop_se:.1f}" if real_drop_se > 0 and np.isfinite(real_drop_se) else "n/a"
     if flagged:
-        reason = f"proxy reward rose {proxy_rise:+.3f} while retention fell {real_drop:.3f} from {first} to {last}"
+        reason = (
+            f"proxy reward rose {proxy_rise:+.3f} while retention fell {real_drop:.3f} ({z} standard errors) "
+            f"from {first} to {last}"
+        )
     else:
-        reason = f"no divergence from {first} to {last} (proxy {proxy_rise:+.3f}, retention {-real_drop:+.3f})"
-    return HackingReport(flagged, reason, proxy_rise, real_drop, versions)
+        reason = (
+            f"no divergence from {first} to {last} (proxy {proxy_rise:+.3f}, retention {-real_drop:+.3f}, "
+            f"{z} standard errors)"
+        )
+    return HackingReport(flagged, reason, proxy_rise, real_drop, real_drop_se, versions)
 
 
 def promotion_guard(

@@ -110,9 +110,15 @@ def build_report(
                 "online_acceptance": live.get("acceptance"),
                 "train_reward_mean": m.get("reward/mean"),
                 "rollouts": row.num_samples,
-                "reward_model": rm.get("version"),
+                # the promoted model whose scores this update trained on, and how many sessions it scored
+                "reward_model": m.get("reward/model"),
+                "reward_model_scored": m.get("batch/model_scored"),
+                "trained_sessions": m.get("batch/sessions"),
+                # what this update's retrain registered (a candidate the gate refused scored nothing)
                 "reward_model_retrained": rm.get("retrained"),
-                "reward_model_metric": rm.get("primary_metric"),
+                "reward_model_trained": rm.get("version") if rm.get("retrained") else None,
+                "reward_model_trained_status": rm.get("status") if rm.get("retrained") else None,
+                "reward_model_metric": rm.get("primary_metric") if rm.get("retrained") else None,
                 "rollout": "initial" if row.parent_id is None else (dep["status"] if dep else "not deployed"),
                 "rollout_message": dep["message"] if dep else "",
                 "update_seconds": round(outcome["seconds"], 1) if "seconds" in outcome else None,
@@ -196,6 +202,17 @@ def _pct(x: Any) -> str:
     return "-" if x is None else f"{100 * float(x):.1f}%"
 
 
+def _reward_model_cell(v: dict[str, Any]) -> str:
+    """Which model scored the update's sessions (and how many), and what its retrain registered."""
+    parts = []
+    if v.get("reward_model"):
+        parts.append(f"scored {int(v.get('reward_model_scored') or 0)} with {v['reward_model']}")
+    if v.get("reward_model_trained"):
+        metric = f" {v['reward_model_metric']:.3f}" if v.get("reward_model_metric") is not None else ""
+        parts.append(f"trained {v['reward_model_trained']} ({v['reward_model_trained_status']}{metric})")
+    return "; ".join(parts) or "-"
+
+
 def print_report(report: dict[str, Any], console: Console | None = None) -> None:
     """The per-version table and the headline, on the terminal."""
     console = console or Console()
@@ -206,7 +223,7 @@ def print_report(report: dict[str, Any], console: Console | None = None) -> None
     table.add_column("reward model")
     table.add_column("rollout")
     for v in report["versions"]:
-        rm = "-" if not v["reward_model"] else f"{v['reward_model']} ({v['reward_model_metric'] or 0:.3f})"
+        rm = _reward_model_cell(v)
         outcome = v["rollout"] + (f": {v['rollout_message'][:60]}" if v["rollout"] == "rolled_back" else "")
         table.add_row(
             v["version"],
@@ -220,23 +237,28 @@ def print_report(report: dict[str, Any], console: Console | None = None) -> None
             outcome,
         )
     console.print(table)
+    measured_on = report.get("gain_measured_on")
+
+    def target(on: str) -> str:
+        return "; gain_points, target +10, printed, not asserted" if on == measured_on else ""
+
     if report["v0_heldout_task_success"] is not None:
         console.print(
             f"agent held-out task success: v0 {_pct(report['v0_heldout_task_success'])} -> serving "
-            f"{report['final_version']} {_pct(report['final_heldout_task_success'])} ({report['gain_points']:+.1f} "
-            f"points; target +10, printed, not asserted); agent sessions served: mean turns {report['mean_turns']}, "
-            f"{report['sessions_with_summary']} with a self-summary"
+            f"{report['final_version']} {_pct(report['final_heldout_task_success'])} "
+            f"({report['task_success_gain_points']:+.1f} points{target('heldout_task_success')}); agent sessions "
+            f"served: mean turns {report['mean_turns']}, {report['sessions_with_summary']} with a self-summary"
         )
     if report.get("true_utility_gain_points") is not None:
         console.print(
             f"held-out true utility (the population's, never sent): v0 {_pct(report['v0_heldout_true_utility'])} -> "
             f"serving {report['final_version']} {_pct(report['final_heldout_true_utility'])} "
-            f"({report['true_utility_gain_points']:+.1f} points)"
+            f"({report['true_utility_gain_points']:+.1f} points{target('heldout_true_utility')})"
         )
     console.print(
         f"held-out retention: v0 {_pct(report['v0_heldout_retention'])} -> serving {report['final_version']} "
-        f"{_pct(report['final_heldout_retention'])} ({report['retention_gain_points']:+.1f} points); "
-        f"rollbacks: {report['rollbacks']}"
+        f"{_pct(report['final_heldout_retention'])} ({report['retention_gain_points']:+.1f} points"
+        f"{target('retention')}); rollbacks: {report['rollbacks']}"
     )
     if report["failed_updates"]:
         console.print(f"updates that failed: {report['failed_updates']}")

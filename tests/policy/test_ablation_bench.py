@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import pytest
 from sqlalchemy.engine import Engine
 
@@ -199,6 +200,59 @@ def test_a_pessimistic_reward_lowers_model_scores_by_their_error_and_keeps_label
         RewardsConfig(rl_uncertainty_penalty=-1.0)
 
 
+def test_the_update_leaves_out_a_reward_model_the_hacking_guard_flags(db: tuple[str, Engine], tmp_path: Path) -> None:
+    """Sessions of a later policy version that the promoted model scores higher but whose code users
+    rewrote away: the guard flags the model, so an assisted update trains on labels only and says
+    why; with the RL side of the guard off, the same model scores the unlabeled sessions."""
+    from policy.production import reward_sources
+    from reward_models.api import load_scorer
+    from reward_models.synthetic import generate_events
+
+    _, engine = db
+    now, fresh = _promoted_model(engine, tmp_path, fresh=30, seed=14)
+    _store(engine, fresh)  # served, no signal yet: only a reward model can reward them
+    start = now - timedelta(days=1, hours=2)  # after the model's data; every retention horizon has passed
+    events, _ = generate_events(240, seed=15, start=start, span_s=3600.0, now=now, group_fraction=0.0)
+    served = [e for e in events if e["type"] == "session.completed"]
+    frame = pd.DataFrame([{"session_id": e["session_id"], "at": e["occurred_at"]} for e in served])
+    scores = load_scorer(engine).score(_session_frames(engine, served))
+    ranked = sorted(range(len(served)), key=lambda i: scores[i])
+    later = {served[i]["session_id"] for i in ranked[len(ranked) // 2 :]}  # the half the model likes
+    later.discard(frame.sort_values("at")["session_id"].iloc[0])  # the earlier version starts first
+    for event in events:
+        sid = event.get("session_id")
+        if event["type"] == "session.completed":
+            event["payload"]["policy_version"] = "v0002" if sid in later else "v0001"
+        elif event["type"] == "code.retained":  # the later version's code is rewritten away
+            written = event["payload"]["lines_written"]
+            event["payload"]["lines_retained"] = 0 if sid in later else written
+            event["payload"]["final_text"] = "" if sid in later else event["payload"].get("final_text")
+    _store(engine, [e for e in events if e["type"] in ("session.completed", "code.retained")])
+
+    flagged = reward_sources(engine, RewardsConfig(), now)
+    assert flagged.guard is not None and flagged.guard.flagged, flagged.guard
+    assert "standard errors" in flagged.guard.reason and flagged.guard.reason.endswith("to v0002")
+    assert flagged.labeled == set(flagged.rewards)  # labels only
+    assert not {e["session_id"] for e in fresh} & set(flagged.rewards)
+    trusted = reward_sources(engine, RewardsConfig(rl_hacking_guard_z=0.0), now)
+    assert trusted.guard is None and {e["session_id"] for e in fresh} <= set(trusted.rewards)
+    assert {s: trusted.rewards[s] for s in flagged.rewards} == flagged.rewards
+
+
+def _session_frames(engine: Engine, served: list[dict[str, Any]]) -> pd.DataFrame:
+    """Stored-session frames of ``served`` (stored in a scratch database, in ``served``'s order)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as scratch:
+        url = f"sqlite:///{Path(scratch) / 'scratch.db'}"
+        upgrade(url)
+        other = make_engine(url)
+        _store(other, served)
+        frame = load_sessions(other).set_index("session_id").loc[[e["session_id"] for e in served]].reset_index()
+        other.dispose()
+    return frame
+
+
 def _sharper_twin(event: dict[str, Any]) -> dict[str, Any]:
     """The same answer (text and tokens) served by a more confident policy, as another session."""
     twin = json.loads(json.dumps(event))
@@ -252,26 +306,70 @@ def _drift(model: Any, reference: Any, sequences: list[tuple[list[int], int]]) -
     return float(torch.stack(gaps).mean())
 
 
+def _tiny_v0(engine: Engine, tmp_path: Path) -> Path:
+    """A tiny untrained policy recorded as v0000; its checkpoint directory."""
+    from policy.model import build_model, save_checkpoint
+    from policy.tokenizer import default_tokenizer
+    from policy.versions import record_version
+
+    tokenizer = default_tokenizer()
+    v0 = save_checkpoint(build_model("tiny", len(tokenizer), seed=0), tokenizer, tmp_path / "v0")
+    record_version(engine, version="v0000", parent=None, step=0, checkpoint_path=v0, metrics={})
+    return Path(v0)
+
+
+def _picked_groups(engine: Engine, labeled: str, tags: str = "abcd") -> dict[str, list[str]]:
+    """A stored group of four per tag; the user picked one of each group whose tag is in ``labeled``."""
+    groups = {}
+    for tag in tags:
+        events, ids = _group_events(tag)
+        _store(engine, events)
+        if tag in labeled:
+            picked = [Signal(1.0, "candidates.shown", 0, {}), Signal(20.0, "candidate.selected", 1, {})]
+            _store(engine, _signals(tag, picked, ids))
+        groups[tag] = ids
+    return groups
+
+
+def test_an_update_says_which_reward_model_scored_its_sessions(db: tuple[str, Engine], tmp_path: Path) -> None:
+    """The version's metrics count the sessions the promoted model scored and name that model (the
+    demo's table and the API read them); a labels-only update names none and counts none."""
+    from policy.production import ProductionSession, TrainRequest
+    from reward_models.registry import current_promoted
+
+    url, engine = db
+    _promoted_model(engine, tmp_path, fresh=1, seed=13)
+    promoted = current_promoted(engine)
+    assert promoted is not None
+    _tiny_v0(engine, tmp_path)
+    groups = _picked_groups(engine, labeled="ab")  # nobody judged c and d yet
+    unlabeled = groups["c"] + groups["d"]
+    request = TrainRequest(base_version="v0000", steps=4, lr=1e-4, groups_per_step=2, eval=dict(ablation.NO_EVAL))
+    request = replace(request, now=ablation.T0 + timedelta(hours=1))
+    metrics = {}
+    for source in ("assisted", "labels"):
+        rewards = RewardsConfig(rl_reward=source)
+        session = ProductionSession(PolicyConfig(), rewards, url, tmp_path / f"home-{source}", request)
+        while not session.done:
+            session.step()
+        metrics[source] = session.result()["metrics"]
+    assert metrics["assisted"]["batch/sessions"] == 16 and metrics["assisted"]["batch/model_scored"] == len(unlabeled)
+    assert metrics["assisted"]["reward/model"] == promoted.version
+    assert metrics["labels"]["batch/sessions"] == 8 and metrics["labels"]["batch/model_scored"] == 0
+    assert "reward/model" not in metrics["labels"]
+
+
 def test_the_kl_term_keeps_an_update_near_its_reference(db: tuple[str, Engine], tmp_path: Path) -> None:
     """Production updates with ``kl_coef`` train against the base version's logprobs: from the same data,
     seed and (large) learning rate, a strong KL leaves the policy far closer to v0 than none does."""
     from policy.config import PolicyConfig
-    from policy.model import build_model, load_checkpoint, save_checkpoint
+    from policy.model import load_checkpoint
     from policy.production import ProductionSession, TrainRequest
-    from policy.tokenizer import default_tokenizer
-    from policy.versions import record_version
 
     url, engine = db
-    tokenizer = default_tokenizer()
-    v0 = save_checkpoint(build_model("tiny", len(tokenizer), seed=0), tokenizer, tmp_path / "v0")
-    record_version(engine, version="v0000", parent=None, step=0, checkpoint_path=v0, metrics={})
-    sequences = []
-    for tag in "abcd":
-        events, ids = _group_events(tag)
-        _store(engine, events)
-        picked = [Signal(1.0, "candidates.shown", 0, {}), Signal(20.0, "candidate.selected", 1, {})]
-        _store(engine, _signals(tag, picked, ids))
-        sequences += [([0, 5, 6, 7, 8 + i, 0], 3) for i in range(len(ids))]
+    v0 = _tiny_v0(engine, tmp_path)
+    groups = _picked_groups(engine, labeled="abcd")
+    sequences = [([0, 5, 6, 7, 8 + i, 0], 3) for ids in groups.values() for i in range(len(ids))]
     request = TrainRequest(base_version="v0000", steps=4, lr=0.02, groups_per_step=2, eval=dict(ablation.NO_EVAL))
     request = replace(request, now=ablation.T0 + timedelta(hours=1))
     reference, _ = load_checkpoint(v0)
@@ -480,22 +578,14 @@ def test_rewards_overrides_reach_both_arms_labels(db: tuple[str, Engine]) -> Non
 def test_max_staleness_decides_whether_an_update_waits_for_old_labels(db: tuple[str, Engine], tmp_path: Path) -> None:
     """``--max-staleness``: labeled groups served by v0 reach an update from v3 only when the limit
     is 3 or more (the baseline that trains on late labels off-policy); under it the update has none."""
-    from policy.model import build_model, save_checkpoint
     from policy.production import ProductionSession, TrainRequest
-    from policy.tokenizer import default_tokenizer
     from policy.versions import record_version
 
     url, engine = db
-    tokenizer = default_tokenizer()
-    ckpt = save_checkpoint(build_model("tiny", len(tokenizer), seed=0), tokenizer, tmp_path / "v0")
-    for n in range(4):
-        parent = f"v000{n - 1}" if n else None
-        record_version(engine, version=f"v000{n}", parent=parent, step=n, checkpoint_path=ckpt, metrics={})
-    for tag in "ab":
-        events, ids = _group_events(tag)  # served by v0000
-        _store(engine, events)
-        picked = [Signal(1.0, "candidates.shown", 0, {}), Signal(20.0, "candidate.selected", 1, {})]
-        _store(engine, _signals(tag, picked, ids))
+    ckpt = _tiny_v0(engine, tmp_path)
+    for n in range(1, 4):
+        record_version(engine, version=f"v000{n}", parent=f"v000{n - 1}", step=n, checkpoint_path=ckpt, metrics={})
+    _picked_groups(engine, labeled="ab", tags="ab")  # served by v0000
     request = TrainRequest(base_version="v0003", steps=1, groups_per_step=2, eval=dict(ablation.NO_EVAL))
     request = replace(request, now=ablation.T0 + timedelta(hours=1))
     labels_only = RewardsConfig(rl_reward="labels")

@@ -52,3 +52,33 @@ def test_window_uses_only_recent_versions_and_ignores_nans() -> None:
 def test_missing_columns_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="needs columns"):
         reward_hacking(pd.DataFrame({"policy_version": ["v1"]}), RewardsConfig())
+
+
+def _noisy(proxy: list[float], real: list[float], n: int, noise: float, seed: int) -> pd.DataFrame:
+    """Per-session retention shares spread ``noise`` around each version's mean, clipped to [0, 1]."""
+    rng = np.random.default_rng(seed)
+    rows = [
+        {"policy_version": f"v{i + 1}", "proxy": p, "real": float(np.clip(r + rng.normal(0, noise), 0, 1)), "order": i}
+        for i, (p, r) in enumerate(zip(proxy, real, strict=True))
+        for _ in range(n)
+    ]
+    return pd.DataFrame(rows)
+
+
+def test_min_z_asks_the_fall_to_stand_out_of_its_noise() -> None:
+    """A fall of a few points on a few noisy sessions per version is flagged by the plain guard and
+    not with ``min_z``; a large fall on the same number of sessions is flagged either way; the
+    report carries the fall's standard error."""
+    config = RewardsConfig()
+    small = _noisy([0.1, 0.3, 0.6], [0.55, 0.52, 0.50], n=12, noise=0.35, seed=1)
+    plain, strict = reward_hacking(small, config), reward_hacking(small, config, min_z=2.0)
+    assert plain.real_drop is not None and plain.real_drop > config.hacking_real_drop
+    assert plain.flagged and not strict.flagged, strict.reason
+    assert strict.real_drop_se is not None and strict.real_drop < 2.0 * strict.real_drop_se
+    large = _noisy([0.1, 0.3, 0.6], [0.75, 0.45, 0.15], n=12, noise=0.35, seed=1)
+    report = reward_hacking(large, config, min_z=2.0)
+    assert report.flagged and "standard errors" in report.reason
+    assert report.real_drop_se is not None and 0.05 < report.real_drop_se < 0.25
+    # a version of one session has no error estimate: min_z cannot be met on it
+    single = _noisy([0.1, 0.3, 0.6], [0.9, 0.5, 0.1], n=1, noise=0.0, seed=1)
+    assert reward_hacking(single, config).flagged and not reward_hacking(single, config, min_z=2.0).flagged

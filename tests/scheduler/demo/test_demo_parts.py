@@ -148,3 +148,36 @@ def test_the_update_trigger_counts_candidate_groups_and_groups_of_agent_sessions
     assert orch.groups() == 2
     store([event(turn={"session_id": "b", "index": 0, "group": "grp-other"})])
     assert orch.groups() == 3
+
+
+def test_the_report_prints_each_gain_beside_its_own_figure_and_the_target_on_gain_points() -> None:
+    """The terminal headline: the task-success line carries the task-success gain (not ``gain_points``,
+    which is the true utility's under the population), and the +10 target sits on the measure
+    ``gain_points`` is taken from; a version's reward-model cell says which model scored it and what
+    its retrain registered."""
+    from rich.console import Console
+
+    from scheduler.demo.report import print_report
+
+    version = {
+        "version": "v0001", "label": "update", "heldout_task_success": 0.3, "heldout_retention": 0.4,
+        "heldout_acceptance": 0.5, "online_requests": 10, "online_acceptance": 0.6, "rollout": "succeeded",
+        "rollout_message": "", "reward_model": "rm-0001-aa", "reward_model_scored": 42.0,
+        "reward_model_trained": "rm-0002-bb", "reward_model_trained_status": "candidate", "reward_model_metric": 0.42,
+    }  # fmt: skip
+    report = {
+        "minutes": 9.0, "versions": [version], "final_version": "v0001", "rollbacks": 0, "failed_updates": [],
+        "v0_heldout_task_success": 0.2, "final_heldout_task_success": 0.3, "task_success_gain_points": 10.0,
+        "mean_turns": 3.0, "sessions_with_summary": 5, "v0_heldout_true_utility": 0.25,
+        "final_heldout_true_utility": 0.33, "true_utility_gain_points": 8.0, "gain_points": 8.0,
+        "gain_measured_on": "heldout_true_utility", "v0_heldout_retention": 0.3, "final_heldout_retention": 0.4,
+        "retention_gain_points": 10.0,
+    }  # fmt: skip
+    console = Console(record=True, width=400)
+    print_report(report, console)
+    lines = console.export_text().splitlines()
+    task = next(line for line in lines if line.startswith("agent held-out task success"))
+    truth = next(line for line in lines if line.startswith("held-out true utility"))
+    assert "(+10.0 points)" in task and "target" not in task
+    assert "(+8.0 points; gain_points, target +10" in truth
+    assert any("scored 42 with rm-0001-aa; trained rm-0002-bb (candidate 0.420)" in line for line in lines)

@@ -85,6 +85,11 @@ def test_demo_loop_produces_a_gated_version(tmp_path: Path) -> None:
         assert all(key in v for key in VERSION_FIELDS)
         assert v["heldout_retention"] is not None and 0.0 <= v["heldout_retention"] <= 1.0
         assert v["heldout_task_success"] is not None and 0.0 <= v["heldout_task_success"] <= 1.0
+    # a version names the reward model whose scores it trained on only if one was promoted (a candidate
+    # the gate refused scored nothing), with the count of sessions it scored
+    status = {r["version"]: r["status"] for r in report["reward_models"]}
+    for v in report["versions"]:
+        assert v["reward_model"] is None or (status[v["reward_model"]] != "candidate" and v["reward_model_scored"] > 0)
     # the users came from the population: scored by their true utility, which never went over the wire
     assert report["gain_measured_on"] == "heldout_true_utility" and report["developers"]["population"]
     assert report["v0_heldout_true_utility"] is not None and report["final_heldout_true_utility"] is not None
