@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import math
 import statistics
 import time
 import uuid
@@ -64,6 +63,7 @@ from sqlalchemy.engine import Engine
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from serving import relay, turns
+from serving.acceptance import robust_mean
 from serving.chat import malformed_tool_call
 from serving.client import EngineClient, EngineError, error_message
 from serving.config import FleetConfig, GatewayConfig
@@ -86,6 +86,8 @@ ACCEPT_TYPES = {"edit.accepted": 1.0, "edit.rejected": 0.0}
 MAX_COUNTED_SESSIONS = 100_000
 """Distinct judged sessions remembered per version and kind; beyond, each signal counts as a session
 (the gate's standard errors are tiny by then anyway)."""
+MAX_GATE_USERS = 2000
+"""Users whose signal tallies a version's metrics list for the gate (more: none listed)."""
 OPEN = ClientKey("anonymous", ("serve", "metrics"))
 """Who calls a gateway built without a key ring (tests, a development stack)."""
 STREAM_BROKEN = (
@@ -133,12 +135,10 @@ def static_replicas(urls: list[str], version: str | None = None) -> ReplicaSourc
 class VersionStats:
     """Online metrics of one policy version (what the deployment gate compares).
 
-    The acceptance is robust to a few users: each user's signals are averaged first, and a user
-    weighs ``min(signals, per_user_cap)`` (one account sending many signals weighs no more than
-    ``cap`` honest ones); then the ``trim`` share of users with the highest means and the same share
-    with the lowest (at least one each, from five users on; among users tied at an extreme, the
-    heaviest first) are left out. ``per_user_cap`` 0 gives
-    the plain mean of all signals.
+    The acceptance is robust to a few users (:func:`serving.acceptance.robust_mean`): each user's
+    signals are averaged first, a user weighs ``min(signals, per_user_cap)``, and the ``trim`` share of
+    users at each extreme is left out; ``per_user_cap`` 0 gives the plain mean of all signals. The
+    summary lists each user's tally (no ids) so the gate can test a drop over users.
     """
 
     requests: int = 0
@@ -194,17 +194,7 @@ class VersionStats:
         return self._robust(self.per_user)
 
     def _robust(self, per_user: dict[str, list[float]]) -> float | None:
-        judged = sum(count for _, count in per_user.values())
-        if not judged:
-            return None
-        if self.per_user_cap <= 0:
-            return sum(total for total, _ in per_user.values()) / judged
-        users = [(total / count, min(count, self.per_user_cap)) for total, count in per_user.values()]
-        k = max(1, math.floor(self.trim * len(users))) if len(users) >= 5 else 0
-        if k:  # among users tied at an extreme, the heaviest go first
-            users = sorted(users, key=lambda u: (u[0], -u[1]))[k:]
-            users = sorted(users, key=lambda u: (u[0], u[1]))[:-k]
-        return sum(mean * w for mean, w in users) / sum(w for _, w in users)
+        return robust_mean(list(per_user.values()), self.per_user_cap, self.trim)
 
     def _sessions(self, kind: str) -> int:
         return len(self.sessions.get(kind, ())) + self.sessions_over.get(kind, 0)
@@ -225,15 +215,28 @@ class VersionStats:
             "judged": self.judged,
             "judged_sessions": sum(self._sessions(kind) for kind in self.by_kind),
             "judged_users": len(self.per_user),
+            **_users(self.per_user),
+            "gate_cap": self.per_user_cap,
+            "gate_trim": self.trim,
             "by_kind": {
                 kind: {
                     "acceptance": self._robust(users),
                     "judged": int(sum(n for _, n in users.values())),
                     "judged_sessions": self._sessions(kind),
+                    **_users(users),
                 }
                 for kind, users in self.by_kind.items()
             },
         }
+
+
+def _users(per_user: dict[str, list[float]]) -> dict[str, list[list[float]]]:
+    """``users``: each user's (signal sum, signal count), without the user's id, sorted, for the gate's
+    test over users (:mod:`serving.acceptance`); left out past :data:`MAX_GATE_USERS` users, where the
+    gate's normal approximation is sound and the list would only make the metrics heavy."""
+    if len(per_user) > MAX_GATE_USERS:
+        return {}
+    return {"users": sorted([round(total, 6), int(count)] for total, count in per_user.values())}
 
 
 def _length_summary(tokens: deque[int]) -> dict[str, float | int | None]:

@@ -490,3 +490,69 @@ def test_a_canary_whose_tool_calls_break_fails_before_any_user_judges_it() -> No
     assert health(healthy, current, cfg, final=True) is None
     unknown = {k: v for k, v in drill.items() if k != "malformed_tool_call_rate"}
     assert health(unknown, current, cfg, final=False) is None
+
+
+def _judged(users: dict[str, list[tuple[float, str]]], cap: int = 3, trim: float = 0.05) -> dict[str, object]:
+    """A version's metrics as the gateway summarises them: each user's signals ``(value, kind)``, one
+    session each, and plenty of healthy requests."""
+    from serving.gateway import VersionStats
+
+    stats = VersionStats(per_user_cap=cap, trim=trim)
+    for user, signals in users.items():
+        for i, (value, kind) in enumerate(signals):
+            stats.judge(user, value, kind, session_id=f"{user}-{i}")
+    return {**stats.summary(), "requests": 60, "error_rate": 0.0}
+
+
+def test_a_canary_judged_by_a_handful_of_users_is_tested_over_users() -> None:
+    """One user of five accepted the canary: trimming a user at each end leaves its robust acceptance
+    at 0 against the incumbent's 0.5, which the normal approximation over sessions calls a collapse.
+    The permutation test over users knows how often five users drawn from the incumbent's show that
+    (p about 0.2) and passes it. Twelve users who reject everything fail against twenty of whom
+    fourteen accepted, overall and within each kind (against twelve of whom six did, that split is a
+    1-in-7 one: no evidence); the decision replays exactly."""
+    cfg = DeployConfig(gate_min_requests=16, gate_min_judged=6)
+    old = _judged({f"o{i}": [(float(i % 2), "agent"), (float(i % 2), "agent")] for i in range(12)})
+    canary = _judged({"a": [(1.0, "agent")], **{u: [(0.0, "agent")] for u in "bcde"}, "f": [(0.0, "single")]})
+    assert canary["acceptance"] == 0.0 and old["acceptance"] == pytest.approx(0.5)
+    assert canary["users"] == sorted([[1.0, 1], *[[0.0, 1]] * 5])  # tallies, no user ids
+    ok, why = gate(canary, old, cfg)
+    assert ok, why
+    without_users = {k: v for k, v in canary.items() if k != "users"}
+    ok, why = gate(without_users, old, cfg)
+    assert not ok and "standard errors" in why  # the old rule: the trimmed mean's bias read as a drop
+    # twelve rejecting users against twelve of whom six accepted is a 1-in-7 split: not evidence
+    assert gate(_judged({f"c{i}": [(0.0, "agent")] for i in range(12)}), old, cfg)[0]
+    larger = _judged({f"o{i}": [(float(i % 10 < 7), "agent")] * 2 for i in range(20)})
+    collapsed = _judged({f"c{i}": [(0.0, "agent")] for i in range(12)})
+    ok, why = gate(collapsed, larger, cfg)
+    assert not ok and "over 12 and 20 users" in why and "within each kind" in why, why
+    assert gate(collapsed, larger, cfg) == (ok, why)
+    # one account rejecting everything among honest acceptors neither moves the robust mean nor fails it
+    honest = _judged({f"h{i}": [(1.0, "agent")] * 2 for i in range(8)})
+    attacked = _judged({**{f"h{i}": [(1.0, "agent")] * 2 for i in range(8)}, "mallory": [(0.0, "agent")] * 40})
+    assert gate(attacked, honest, cfg)[0]
+
+
+def test_the_user_permutation_test_holds_its_level_and_finds_a_real_drop() -> None:
+    """Both versions drawn from the same users' distribution: the test rejects at about its level
+    (not the several times more of a normal approximation on a trimmed mean); a canary accepted by a
+    fifth as often as the incumbent is found."""
+    import random
+
+    from serving.acceptance import drop_p_value
+
+    rng = random.Random(3)
+
+    def users(n: int, p: float) -> list[list[float]]:
+        out = []
+        for _ in range(n):
+            count = rng.randint(1, 3)
+            out.append([float(sum(rng.random() < p for _ in range(count))), count])
+        return out
+
+    level = 1.0 - __import__("statistics").NormalDist().cdf(2.0)
+    nulls = [drop_p_value(users(6, 0.4), users(14, 0.4), 3, 0.05, resamples=400) <= level for _ in range(200)]
+    assert sum(nulls) / len(nulls) < 2.5 * level  # about its level (0.023), with the trials' noise
+    found = [drop_p_value(users(12, 0.1), users(20, 0.6), 3, 0.05, resamples=400) <= level for _ in range(20)]
+    assert sum(found) >= 18
