@@ -385,7 +385,8 @@ async def _wait_gate(
         if unhealthy is not None:  # fails now, before users judged it (on overwhelming evidence only)
             return False, unhealthy, {"new": new, "old": old}
         if (served and _judged_enough(new, config)) or time.monotonic() > deadline:
-            ok, why = gate(new, old, config)
+            # the test over users takes up to a second or two on large versions: off the event loop
+            ok, why = await asyncio.to_thread(gate, new, old, config)
             return ok, why, {"new": new, "old": old}
         await asyncio.sleep(0.05)
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 import statistics
 import time
 import uuid
@@ -86,8 +87,9 @@ ACCEPT_TYPES = {"edit.accepted": 1.0, "edit.rejected": 0.0}
 MAX_COUNTED_SESSIONS = 100_000
 """Distinct judged sessions remembered per version and kind; beyond, each signal counts as a session
 (the gate's standard errors are tiny by then anyway)."""
-MAX_GATE_USERS = 2000
-"""Users whose signal tallies a version's metrics list for the gate (more: none listed)."""
+MAX_GATE_USERS = 500
+"""Users whose signal tallies a version's metrics list for the gate; past it, a seeded random sample
+of this many (a random subset of exchangeable users keeps the gate's test valid and its cost bounded)."""
 OPEN = ClientKey("anonymous", ("serve", "metrics"))
 """Who calls a gateway built without a key ring (tests, a development stack)."""
 STREAM_BROKEN = (
@@ -230,13 +232,14 @@ class VersionStats:
         }
 
 
-def _users(per_user: dict[str, list[float]]) -> dict[str, list[list[float]]]:
+def _users(per_user: dict[str, list[float]]) -> dict[str, Any]:
     """``users``: each user's (signal sum, signal count), without the user's id, sorted, for the gate's
-    test over users (:mod:`serving.acceptance`); left out past :data:`MAX_GATE_USERS` users, where the
-    gate's normal approximation is sound and the list would only make the metrics heavy."""
-    if len(per_user) > MAX_GATE_USERS:
-        return {}
-    return {"users": sorted([round(total, 6), int(count)] for total, count in per_user.values())}
+    test over users (:mod:`serving.acceptance`); past :data:`MAX_GATE_USERS` users a seeded random
+    sample of that many (``users_sampled`` true), which keeps the metrics light and the test cheap."""
+    tallies = sorted([round(total, 6), int(count)] for total, count in per_user.values())
+    if len(tallies) <= MAX_GATE_USERS:
+        return {"users": tallies}
+    return {"users": sorted(random.Random(len(tallies)).sample(tallies, MAX_GATE_USERS)), "users_sampled": True}
 
 
 def _length_summary(tokens: deque[int]) -> dict[str, float | int | None]:

@@ -556,3 +556,21 @@ def test_the_user_permutation_test_holds_its_level_and_finds_a_real_drop() -> No
     assert sum(nulls) / len(nulls) < 2.5 * level  # about its level (0.023), with the trials' noise
     found = [drop_p_value(users(12, 0.1), users(20, 0.6), 3, 0.05, resamples=400) <= level for _ in range(20)]
     assert sum(found) >= 18
+
+
+def test_a_large_version_lists_a_seeded_sample_of_its_users() -> None:
+    """Past ``MAX_GATE_USERS`` a version's metrics list a random sample of that many tallies (the same
+    sample on every look; the count and the robust mean still use every user), and the test over users
+    decides on the sample."""
+    from serving.gateway import MAX_GATE_USERS, VersionStats
+
+    stats = VersionStats(per_user_cap=3, trim=0.05)
+    for i in range(MAX_GATE_USERS + 300):
+        stats.judge(f"u{i}", float(i % 3 == 0), "agent", session_id=f"s{i}")
+    first, again = stats.summary(), stats.summary()
+    assert len(first["users"]) == MAX_GATE_USERS and first["users_sampled"] is True
+    assert first["users"] == again["users"]
+    assert first["judged_users"] == MAX_GATE_USERS + 300  # the count and the robust mean use every user
+    canary = _judged({f"c{i}": [(0.0, "agent")] for i in range(40)})
+    ok, why = gate(canary, {**first, "requests": 900, "error_rate": 0.0}, DeployConfig(gate_min_requests=16))
+    assert not ok and f"over 40 and {MAX_GATE_USERS} users" in why, why
