@@ -165,11 +165,9 @@ class DeployConfig(BaseModel):
     look fails the stage only at this one-sided p-value (a Haybittle-Peto boundary), the stage's
     decision at the gate's own level, so watching does not multiply false rollbacks."""
     gate_acceptance_z: float = Field(default=1.645, ge=0)
-    """A drop fails the gate only when it is also significant at this level (1.645: one-sided 95%), so a
-    canary judged on a handful of sessions is not rolled back on noise; 0: the drop alone decides.
-    Where the metrics list each user's tally (the gateway's do), the acceptance drop is tested over
-    users (a permutation test of the robust mean, :mod:`serving.acceptance`: p at most the level's
-    one-sided tail); elsewhere as this many standard errors of two independent proportions."""
+    """A drop fails the gate only when it is also this many standard errors large (the two versions'
+    judged signals as independent proportions; 1.645: one-sided 95%), so a canary judged on a
+    handful of sessions is not rolled back on noise; 0: the drop alone decides."""
     pause_timeout_s: float = Field(default=60.0, gt=0)
     """Longest a replica may take to drain in-flight requests when paused."""
     prefetch_ahead: bool = True

@@ -47,7 +47,6 @@ from sqlalchemy.engine import Engine
 from ingest.db import transaction
 from reward_models.guard import HackingReport
 from serving import fleet
-from serving.acceptance import drop_p_value, stratified_drop_p_value
 from serving.client import EngineClient, EngineError
 from serving.config import DeployConfig, FleetConfig
 from serving.protocol import PrefetchRequest
@@ -100,12 +99,10 @@ def gate(new: dict[str, Any] | None, old: dict[str, Any] | None, config: DeployC
     Fails when the new version served fewer than ``gate_min_requests``, or was judged on fewer than
     ``gate_min_judged`` sessions (when the source counts them; :func:`health` fails it before that:
     error rate, latency, answers cut at the token limit), or its acceptance proxy dropped by more than
-    ``gate_max_acceptance_drop`` and significantly at the level of ``gate_acceptance_z``: by a
-    permutation test over users where both sides list their users' tallies (:func:`_over_users`,
-    :mod:`serving.acceptance`), else by that many standard errors of the difference (compared only
-    when both versions have judged sessions; without their counts, ``judged``, the drop alone
-    decides), and, where both were judged on the same kinds of traffic, also within those kinds
-    (:func:`stratified_drop`).
+    ``gate_max_acceptance_drop`` and by at least ``gate_acceptance_z`` standard errors of the
+    difference (compared only when both versions have judged sessions; without their counts,
+    ``judged``, the drop alone decides), and, where both were judged on the same kinds of traffic,
+    also within those kinds (:func:`stratified_drop`).
     """
     if not new or new.get("requests", 0) < config.gate_min_requests:
         served = 0 if not new else new.get("requests", 0)
@@ -125,10 +122,6 @@ def gate(new: dict[str, Any] | None, old: dict[str, Any] | None, config: DeployC
         )
     if new.get("acceptance") is not None and old.get("acceptance") is not None:
         drop = old["acceptance"] - new["acceptance"]
-        if drop > config.gate_max_acceptance_drop:
-            judged = _over_users(drop, new, old, config)
-            if judged is not None:
-                return judged
         se = _drop_se(new, old)
         if drop > config.gate_max_acceptance_drop and drop >= config.gate_acceptance_z * se:
             shown = f", {drop / se:.1f} standard errors" if se > 0 else ""
@@ -206,46 +199,6 @@ def length_shift(new: dict[str, Any], old: dict[str, Any]) -> tuple[float, float
         return m_new / m_old, 0.0 if m_new != m_old else 1.0
     test = ttest_ind_from_stats(m_new, sd_new, n_new, m_old, sd_old, n_old, equal_var=False)
     return m_new / m_old, float(test.pvalue)
-
-
-def _over_users(drop: float, new: dict[str, Any], old: dict[str, Any], config: DeployConfig) -> tuple[bool, str] | None:
-    """The acceptance decision by a permutation test over users (:mod:`serving.acceptance`), when both
-    sides list their users' tallies and how the gateway made its robust mean; None otherwise (the
-    normal approximation over sessions decides). Fails when the drop is significant at the gate's
-    level (``gate_acceptance_z``, one-sided; 0: the drop alone) overall and, where both versions were
-    judged on the same kinds of traffic, within those kinds too."""
-    users_new, users_old = new.get("users"), old.get("users")
-    cap, trim = new.get("gate_cap"), new.get("gate_trim")
-    if not users_new or not users_old or cap is None or trim is None:
-        return None
-    alpha = rise_alpha(config, final=True)
-    limit = config.gate_max_acceptance_drop
-    p = drop_p_value(users_new, users_old, int(cap), float(trim)) if alpha is not None else 0.0
-    if alpha is not None and p > alpha:
-        return True, "passed"
-    shown = f" (p = {p:.3f} over {len(users_new)} and {len(users_old)} users; limit {limit})"
-    kinds_new, kinds_old = new.get("by_kind") or {}, old.get("by_kind") or {}
-    common = sorted(k for k in kinds_new if kinds_new[k].get("users") and (kinds_old.get(k) or {}).get("users"))
-    within = stratified_drop(new, old)
-    if not common or within is None:
-        return False, f"acceptance dropped by {drop:.3f}{shown}"
-    total = sum(_n(kinds_new[k]) + _n(kinds_old[k]) for k in common)
-    weights = {k: (_n(kinds_new[k]) + _n(kinds_old[k])) / max(total, 1) for k in common}
-    p_within = (
-        stratified_drop_p_value(
-            {k: kinds_new[k]["users"] for k in common},
-            {k: kinds_old[k]["users"] for k in common},
-            weights,
-            int(cap),
-            float(trim),
-        )
-        if alpha is not None
-        else 0.0
-    )
-    kind_drop = within[0]
-    if kind_drop > limit and (alpha is None or p_within <= alpha):
-        return False, f"acceptance dropped by {drop:.3f}{shown}, and by {kind_drop:.3f} within each kind of traffic"
-    return True, "passed"
 
 
 def stratified_drop(new: dict[str, Any], old: dict[str, Any]) -> tuple[float, float] | None:
@@ -385,8 +338,7 @@ async def _wait_gate(
         if unhealthy is not None:  # fails now, before users judged it (on overwhelming evidence only)
             return False, unhealthy, {"new": new, "old": old}
         if (served and _judged_enough(new, config)) or time.monotonic() > deadline:
-            # the test over users takes up to a second or two on large versions: off the event loop
-            ok, why = await asyncio.to_thread(gate, new, old, config)
+            ok, why = gate(new, old, config)
             return ok, why, {"new": new, "old": old}
         await asyncio.sleep(0.05)
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import random
+import math
 import statistics
 import time
 import uuid
@@ -64,7 +64,6 @@ from sqlalchemy.engine import Engine
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from serving import relay, turns
-from serving.acceptance import robust_mean
 from serving.chat import malformed_tool_call
 from serving.client import EngineClient, EngineError, error_message
 from serving.config import FleetConfig, GatewayConfig
@@ -87,9 +86,6 @@ ACCEPT_TYPES = {"edit.accepted": 1.0, "edit.rejected": 0.0}
 MAX_COUNTED_SESSIONS = 100_000
 """Distinct judged sessions remembered per version and kind; beyond, each signal counts as a session
 (the gate's standard errors are tiny by then anyway)."""
-MAX_GATE_USERS = 500
-"""Users whose signal tallies a version's metrics list for the gate; past it, a seeded random sample
-of this many (a random subset of exchangeable users keeps the gate's test valid and its cost bounded)."""
 OPEN = ClientKey("anonymous", ("serve", "metrics"))
 """Who calls a gateway built without a key ring (tests, a development stack)."""
 STREAM_BROKEN = (
@@ -137,10 +133,12 @@ def static_replicas(urls: list[str], version: str | None = None) -> ReplicaSourc
 class VersionStats:
     """Online metrics of one policy version (what the deployment gate compares).
 
-    The acceptance is robust to a few users (:func:`serving.acceptance.robust_mean`): each user's
-    signals are averaged first, a user weighs ``min(signals, per_user_cap)``, and the ``trim`` share of
-    users at each extreme is left out; ``per_user_cap`` 0 gives the plain mean of all signals. The
-    summary lists each user's tally (no ids) so the gate can test a drop over users.
+    The acceptance is robust to a few users: each user's signals are averaged first, and a user
+    weighs ``min(signals, per_user_cap)`` (one account sending many signals weighs no more than
+    ``cap`` honest ones); then the ``trim`` share of users with the highest means and the same share
+    with the lowest (at least one each, from five users on; among users tied at an extreme, the
+    heaviest first) are left out. ``per_user_cap`` 0 gives
+    the plain mean of all signals.
     """
 
     requests: int = 0
@@ -196,7 +194,17 @@ class VersionStats:
         return self._robust(self.per_user)
 
     def _robust(self, per_user: dict[str, list[float]]) -> float | None:
-        return robust_mean(list(per_user.values()), self.per_user_cap, self.trim)
+        judged = sum(count for _, count in per_user.values())
+        if not judged:
+            return None
+        if self.per_user_cap <= 0:
+            return sum(total for total, _ in per_user.values()) / judged
+        users = [(total / count, min(count, self.per_user_cap)) for total, count in per_user.values()]
+        k = max(1, math.floor(self.trim * len(users))) if len(users) >= 5 else 0
+        if k:  # among users tied at an extreme, the heaviest go first
+            users = sorted(users, key=lambda u: (u[0], -u[1]))[k:]
+            users = sorted(users, key=lambda u: (u[0], u[1]))[:-k]
+        return sum(mean * w for mean, w in users) / sum(w for _, w in users)
 
     def _sessions(self, kind: str) -> int:
         return len(self.sessions.get(kind, ())) + self.sessions_over.get(kind, 0)
@@ -217,29 +225,15 @@ class VersionStats:
             "judged": self.judged,
             "judged_sessions": sum(self._sessions(kind) for kind in self.by_kind),
             "judged_users": len(self.per_user),
-            **_users(self.per_user),
-            "gate_cap": self.per_user_cap,
-            "gate_trim": self.trim,
             "by_kind": {
                 kind: {
                     "acceptance": self._robust(users),
                     "judged": int(sum(n for _, n in users.values())),
                     "judged_sessions": self._sessions(kind),
-                    **_users(users),
                 }
                 for kind, users in self.by_kind.items()
             },
         }
-
-
-def _users(per_user: dict[str, list[float]]) -> dict[str, Any]:
-    """``users``: each user's (signal sum, signal count), without the user's id, sorted, for the gate's
-    test over users (:mod:`serving.acceptance`); past :data:`MAX_GATE_USERS` users a seeded random
-    sample of that many (``users_sampled`` true), which keeps the metrics light and the test cheap."""
-    tallies = sorted([round(total, 6), int(count)] for total, count in per_user.values())
-    if len(tallies) <= MAX_GATE_USERS:
-        return {"users": tallies}
-    return {"users": sorted(random.Random(len(tallies)).sample(tallies, MAX_GATE_USERS)), "users_sampled": True}
 
 
 def _length_summary(tokens: deque[int]) -> dict[str, float | int | None]:
