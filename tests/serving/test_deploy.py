@@ -490,3 +490,32 @@ def test_a_canary_whose_tool_calls_break_fails_before_any_user_judges_it() -> No
     assert health(healthy, current, cfg, final=True) is None
     unknown = {k: v for k, v in drill.items() if k != "malformed_tool_call_rate"}
     assert health(unknown, current, cfg, final=False) is None
+
+
+def test_a_quiet_gate_drill_judged_by_six_users_is_rolled_back() -> None:
+    """A real gate drill's canary (demo, 2026-12-07) that no health check caught: answers 0.73x the
+    usual length, malformed tool calls and cut answers under their limits, judged by six users (five
+    agent sessions rejected, one single request accepted) against the incumbent's 0.54. The gate rolls
+    it back on its acceptance, overall and within kinds. A gate that tested the drop over users let
+    this canary through (its six users look like six drawn from the incumbent's often enough), and
+    every later update trained from its weights; a healthy canary judged like this is rolled back
+    too, the cheaper mistake."""
+    cfg = DeployConfig(gate_min_requests=16, gate_min_judged=6, gate_max_acceptance_drop=0.2)
+    common = {"error_rate": 0.0, "answers": 35, "answer_tokens_n": 35, "answer_tokens_sd": 14.0}
+    drill = {
+        **common, "requests": 29, "latency_ms_p50": 142.0, "truncation_rate": 0.029,
+        "malformed_tool_call_rate": 0.057, "answer_tokens_mean": 20.2, "acceptance": 0.0,
+        "judged": 6, "judged_sessions": 6,
+        "by_kind": {"agent": {"acceptance": 0.0, "judged": 5, "judged_sessions": 5},
+                    "single": {"acceptance": 1.0, "judged": 1, "judged_sessions": 1}},
+    }  # fmt: skip
+    incumbent = {
+        **common, "requests": 184, "answers": 184, "answer_tokens_n": 184, "latency_ms_p50": 188.1,
+        "truncation_rate": 0.011, "malformed_tool_call_rate": 0.022, "answer_tokens_mean": 27.7,
+        "acceptance": 0.54, "judged": 28, "judged_sessions": 20,
+        "by_kind": {"agent": {"acceptance": 0.503, "judged": 24, "judged_sessions": 17},
+                    "single": {"acceptance": 0.7, "judged": 4, "judged_sessions": 3}},
+    }  # fmt: skip
+    assert health(drill, incumbent, cfg) is None  # nothing but the users' judgement shows it
+    ok, why = gate(drill, incumbent, cfg)
+    assert not ok and "acceptance dropped by 0.540" in why and "within each kind" in why, why
