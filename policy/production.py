@@ -147,6 +147,8 @@ class RewardSources:
     rewards: dict[str, float]
     labeled: set[str]
     guard: HackingReport | None = None
+    model: str | None = None
+    """The reward-model version that scored the sessions not in ``labeled`` (None: it scored none)."""
 
 
 def rewards_with_source(
@@ -207,16 +209,19 @@ def reward_sources(
     else:
         mask = (~group.isin(set(group[labeled]))).to_numpy()  # the groups without any label
     scored = sessions[mask]
+    model = None
     if not scored.empty:
         shown = scored if rewards_config.rl_score_confidence else _without_confidence(scored)
-        scores = _model_scores(load_scorer(engine), shown, rewards_config.rl_uncertainty_penalty)
+        scorer = load_scorer(engine)
+        model = scorer.version
+        scores = _model_scores(scorer, shown, rewards_config.rl_uncertainty_penalty)
         probability = 1.0 / (1.0 + np.exp(-scores))
         if rewards_config.rl_model_reward == "best_of_group":
             probability = _best_of_group(group[mask].to_numpy(), scores, probability)
         for sid, p in zip(scored["session_id"], probability, strict=True):
             out[str(sid)] = float(p)
     labeled_ids = set(sessions["session_id"].astype(str)[~mask])
-    return RewardSources(out, labeled_ids & set(out), guard)
+    return RewardSources(out, labeled_ids & set(out), guard, model)
 
 
 def _model_scores(scorer: Any, frame: Any, penalty: float) -> np.ndarray:
@@ -383,12 +388,8 @@ class ProductionSession:
         # what the version's metrics say about its rewards: how many planned sessions the promoted reward
         # model scored, and which model that was (the retrain before this update may have registered a
         # newer candidate that the gate did not promote: its scores trained nothing)
-        planned = {sid for ids in plan for sid in ids}
-        self.model_scored = len(planned - from_label)  # distinct sessions, like trained_sessions
-        from reward_models.registry import current_promoted
-
-        promoted = current_promoted(self.engine) if self.model_scored else None
-        self.reward_model = promoted.version if promoted is not None else None
+        self.model_scored = len({sid for ids in plan for sid in ids} - from_label)  # distinct sessions
+        self.reward_model = sources.model if self.model_scored else None
         if not plan:
             raise RuntimeError(
                 f"no rewarded session of policy {self.parent.version_id} or the {self.cfg.max_staleness} "
