@@ -191,7 +191,14 @@ class RewardsConfig(BaseModel):
     On fewer the head's metric is noise (4 pairs: a standard error of 0.25), so the head is left
     unjudged (said in the reason) and the bundle's own checks decide: over chance, and better than
     the current version on the same hold-out. So is a small hold-out of one class (0 of the rarer,
-    no AUC); a head with nothing held out still refuses. 0: every head is judged whatever its hold-out."""
+    no AUC), and a head with nothing held out (no selection pair among the newest sessions). 0: every
+    head is judged whatever its hold-out."""
+    small_holdout_prefers_more_labels: bool = True
+    """Where the bundle's hold-out is too small to tell a candidate from the current version (fewer than
+    ``head_check_min_evidence`` labels of the rarer class plus selection pairs), a candidate over chance
+    that trained on more labeled sessions than the current version replaces it. False: the candidate must
+    still beat the current version's score on that hold-out, so a version promoted early on little data
+    can outlast every retrain on more (its comparisons decided by noise)."""
 
     # Triggers and guards
     retrain_min_new_labels: int = Field(default=500, ge=1)

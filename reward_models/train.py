@@ -8,7 +8,9 @@ fit each head that has enough data of both classes (others are skipped with a re
 each head and the bundle on the hold-out next to the baselines; evaluate the promoted version on
 the *same* hold-out; register the new version, promoted only if every head beats its trivial
 baseline, the bundle ranks the hold-out better than chance (its score is what RL trains on), and it
-beats the current version.
+beats the current version; where the hold-out is too small to tell the two apart (fewer than
+``head_check_min_evidence`` observations), the one trained on more labeled sessions serves
+(``rewards.small_holdout_prefers_more_labels``).
 
 The registered bundle is the one trained on the older part, so the recorded metrics are honest
 hold-out numbers for exactly the artifact that serves. Retraining is cheap (seconds at 100k
@@ -105,6 +107,9 @@ def bundle_metrics(
         out["pairwise_acc"] = None
     parts = [v for v in (out["composite_auc"], out["pairwise_acc"]) if v is not None]
     out["primary"] = float(np.mean(parts)) if parts and out["finite"] else None
+    # what the primary rests on, as a head's evidence (head_evidence): labels of the rarer class, plus pairs
+    positive = int(np.sum(test["reward"].to_numpy()[labeled] >= threshold))
+    out["evidence"] = min(positive, int(labeled.sum()) - positive) + len(test_pairs)
     return out
 
 
@@ -397,6 +402,7 @@ def train_reward_models(
 
     current = registry.current_promoted(engine)
     current_primary: float | None = None
+    current_labeled = int(current.n_labeled or 0) if current is not None else None
     if current is not None:
         try:
             current_bundle = registry.load_bundle(current)
@@ -406,7 +412,9 @@ def train_reward_models(
             current_primary = metrics["current"]["primary"]
         except registry.CorruptArtifact as exc:
             metrics["current"] = {"error": str(exc)}
-    status, reason = _decide(metrics, heads, current, current_primary, config)
+    status, reason = _decide(
+        metrics, heads, current, current_primary, config, n_labeled=fit.n_labeled, current_n_labeled=current_labeled
+    )
 
     reference = bundle.score(test.reset_index()) if len(test) else np.zeros(0)
     ref_sample = np.random.default_rng(config.seed).permutation(reference)[:1000] if len(reference) else reference
@@ -451,10 +459,18 @@ def train_reward_models(
 
 
 def _decide(
-    metrics: dict[str, Any], heads: dict[str, Any], current: Any, current_primary: float | None, config: RewardsConfig
+    metrics: dict[str, Any],
+    heads: dict[str, Any],
+    current: Any,
+    current_primary: float | None,
+    config: RewardsConfig,
+    *,
+    n_labeled: int | None = None,
+    current_n_labeled: int | None = None,
 ) -> tuple[str, str]:
     """Promotion gate: finite scores, every head over its trivial baseline (where its hold-out is large
-    enough to tell, :func:`head_evidence`), and better than the current version."""
+    enough to tell, :func:`head_evidence`), and better than the current version (where the hold-out is
+    large enough to tell them apart; else trained on more labeled sessions: :func:`_decide_bundle`)."""
     bundle = metrics["bundle"]
     if not bundle["finite"]:
         return registry.CANDIDATE, "scores are not finite on the hold-out"
@@ -466,10 +482,12 @@ def _decide(
         )
         evidence = head_evidence(name, m)
         if value is None or base is None:
-            # a hold-out with one class only (or no pair) is the smallest evidence there is: unjudged like
-            # a small one; a head with nothing held out at all (or metrics that do not say) still refuses
-            if evidence is not None and _held_out(name, m) > 0 and evidence < config.head_check_min_evidence:
-                unjudged.append(f"{name} on {evidence}, undefined")
+            # a hold-out with one class only, or with nothing in it (no pair, no label: the newest sessions
+            # held none yet) is the smallest evidence there is: unjudged like a small one, and the bundle's
+            # checks decide; metrics that do not say how much was held out still refuse
+            if evidence is not None and evidence < config.head_check_min_evidence:
+                held = _held_out(name, m)
+                unjudged.append(f"{name} on {evidence}, undefined" if held else f"{name}, nothing held out")
                 continue
             return registry.CANDIDATE, f"{name}: hold-out metric undefined (too few hold-out labels of both classes)"
         if value < base + config.min_auc_over_baseline:
@@ -480,7 +498,7 @@ def _decide(
                 registry.CANDIDATE,
                 f"{name}: {value:.3f} does not beat the trivial baseline {base:.3f} by {config.min_auc_over_baseline}",
             )
-    status, reason = _decide_bundle(bundle, current, current_primary, config)
+    status, reason = _decide_bundle(bundle, current, current_primary, config, n_labeled, current_n_labeled)
     if unjudged:
         reason += f" (not judged, too small a hold-out: {', '.join(unjudged)})"
     return status, reason
@@ -497,15 +515,28 @@ def head_evidence(name: str, m: dict[str, Any]) -> int | None:
     if name == "selection":
         return None if m.get("pairs") is None else int(m["pairs"])
     n, rate = m.get("n"), m.get("positive_rate")
+    if n is not None and int(n) == 0:
+        return 0  # nothing held out (its positive rate is undefined)
     if n is None or rate is None:
         return None
     return round(min(float(rate), 1.0 - float(rate)) * int(n))
 
 
 def _decide_bundle(
-    bundle: dict[str, Any], current: Any, current_primary: float | None, config: RewardsConfig
+    bundle: dict[str, Any],
+    current: Any,
+    current_primary: float | None,
+    config: RewardsConfig,
+    n_labeled: int | None = None,
+    current_n_labeled: int | None = None,
 ) -> tuple[str, str]:
-    """The bundle's part of the gate: a primary metric over chance, and better than the current version's."""
+    """The bundle's part of the gate: a primary metric over chance, and better than the current version's.
+
+    Where the hold-out's evidence (``bundle["evidence"]``: labels of the rarer class plus pairs) is under
+    ``head_check_min_evidence``, the two primaries differ by noise (on 8 labels and 4 pairs, by 0.1 and
+    more either way), and a version trained on more labeled sessions than the current one replaces it
+    (``rewards.small_holdout_prefers_more_labels``); without that rule the first version promoted on
+    little data stayed promoted while every retrain on more data lost a coin toss to it."""
     if bundle["primary"] is None:
         return registry.CANDIDATE, "no hold-out metric for the bundle"
     # the bundle's score is what RL trains on: each head over its baseline is not enough when their
@@ -523,6 +554,22 @@ def _decide_bundle(
         return (
             registry.PROMOTED,
             f"beats {current.version}: {bundle['primary']:.4f} > {current_primary:.4f} on the same hold-out",
+        )
+    evidence = bundle.get("evidence")
+    if (
+        config.small_holdout_prefers_more_labels
+        and evidence is not None
+        and evidence < config.head_check_min_evidence
+        and n_labeled is not None
+        and current_n_labeled is not None
+        and n_labeled > current_n_labeled
+    ):
+        return (
+            registry.PROMOTED,
+            f"replaces {current.version}: the hold-out is too small to tell them apart ({bundle['primary']:.4f} "
+            f"against {current_primary:.4f} on {evidence} observations, fewer than "
+            f"{config.head_check_min_evidence}), and it trained on more labeled sessions ({n_labeled} against "
+            f"{current_n_labeled})",
         )
     return (
         registry.CANDIDATE,

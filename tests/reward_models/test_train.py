@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import pytest
 from sqlalchemy import select
 from sqlalchemy.engine import Engine
@@ -17,6 +18,7 @@ from ingest.tables import SessionRow
 from reward_models import registry
 from reward_models.api import load_scorer, score_sessions
 from reward_models.config import RewardsConfig
+from reward_models.models import RewardBundle
 from reward_models.synthetic import generate_events
 from reward_models.tables import RewardModelRow
 from reward_models.train import TrainingDataError, train_reward_models
@@ -215,10 +217,86 @@ def test_a_head_refuses_a_version_only_on_a_hold_out_large_enough_to_tell() -> N
     status, reason = _decide(one_class, heads, None, None, config)
     assert status == registry.PROMOTED and "acceptance on 0, undefined" in reason, reason
     assert _decide(one_class, heads, None, None, strict)[0] == registry.CANDIDATE
+    # nothing held out: the demo refused its first two models (bundle 0.67 and 0.76) because no selection
+    # pair fell among the newest sessions; that is no evidence either way, so the bundle's checks decide
     status, reason = _decide(metrics(0.8, 40, auc=None, n=0, rate=None), heads, None, None, config)
-    assert status == registry.CANDIDATE and "acceptance: hold-out metric undefined" in reason
+    assert status == registry.PROMOTED and "acceptance, nothing held out" in reason, reason
     status, reason = _decide(metrics(None, 0), heads, None, None, config)
+    assert status == registry.PROMOTED and "selection, nothing held out" in reason, reason
+    assert _decide(metrics(None, 0, primary=0.49), heads, None, None, config)[0] == registry.CANDIDATE
+    assert _decide(metrics(None, 0), heads, None, None, strict)[0] == registry.CANDIDATE
+    # metrics that do not say how much was held out still refuse
+    silent = metrics(None, 0)
+    del silent["selection"]["pairs"]
+    status, reason = _decide(silent, heads, None, None, config)
     assert status == registry.CANDIDATE and "selection: hold-out metric undefined" in reason
+
+
+def test_a_hold_out_too_small_to_tell_two_versions_apart_prefers_the_one_trained_on_more_labels() -> None:
+    """An ablation seed kept its second model, trained on 125 labeled sessions, to the end: each of five
+    retrains on 195 to 228 lost to it on a hold-out of a few labels and pairs (0.715 against 0.754, a
+    tie at 0.619). On a hold-out under ``head_check_min_evidence`` the version trained on more labels
+    replaces the current one; on a hold-out that can tell, or trained on no more, it must still beat
+    it; the chance floor and the heads' checks still refuse; the setting turns the rule off."""
+    from reward_models.train import _decide
+
+    heads = {"retention": object()}
+    config = RewardsConfig()
+    current = type("Current", (), {"version": "rm-0002"})()
+
+    def metrics(primary: float, evidence: int | None) -> dict[str, Any]:
+        bundle: dict[str, Any] = {"finite": True, "primary": primary}
+        if evidence is not None:
+            bundle["evidence"] = evidence
+        return {"bundle": bundle, "retention": {"auc": 0.7, "auc_baseline": 0.5, "n": 20, "positive_rate": 0.8}}
+
+    status, reason = _decide(metrics(0.715, 9), heads, current, 0.754, config, n_labeled=195, current_n_labeled=125)
+    assert status == registry.PROMOTED and "replaces rm-0002" in reason and "195 against 125" in reason, reason
+    # a tie is no longer a refusal on such a hold-out
+    assert _decide(metrics(0.619, 3), heads, current, 0.619, config, n_labeled=217, current_n_labeled=125)[0] == (
+        registry.PROMOTED
+    )
+    # a hold-out that can tell them apart still decides
+    status, reason = _decide(metrics(0.715, 40), heads, current, 0.754, config, n_labeled=195, current_n_labeled=125)
+    assert status == registry.CANDIDATE and "does not beat rm-0002" in reason
+    # a retrain on no more labels (the same data again) does not replace it
+    status, _ = _decide(metrics(0.715, 9), heads, current, 0.754, config, n_labeled=125, current_n_labeled=125)
+    assert status == registry.CANDIDATE
+    # metrics of before the bundle's evidence was recorded, or no counts: the old rule
+    assert _decide(metrics(0.715, None), heads, current, 0.754, config, n_labeled=195, current_n_labeled=125)[0] == (
+        registry.CANDIDATE
+    )
+    assert _decide(metrics(0.715, 9), heads, current, 0.754, config)[0] == registry.CANDIDATE
+    # under chance is refused whatever it trained on
+    status, reason = _decide(metrics(0.45, 9), heads, current, 0.754, config, n_labeled=195, current_n_labeled=125)
+    assert status == registry.CANDIDATE and "chance" in reason
+    # a head that fails on a hold-out large enough to tell still refuses
+    failing = metrics(0.715, 9)
+    failing["retention"] = {"auc": 0.45, "auc_baseline": 0.5, "n": 200, "positive_rate": 0.3}
+    status, reason = _decide(failing, heads, current, 0.754, config, n_labeled=195, current_n_labeled=125)
+    assert status == registry.CANDIDATE and "retention" in reason
+    off = RewardsConfig(small_holdout_prefers_more_labels=False)
+    assert _decide(metrics(0.715, 9), heads, current, 0.754, off, n_labeled=195, current_n_labeled=125)[0] == (
+        registry.CANDIDATE
+    )
+
+
+def test_the_bundle_metrics_count_the_evidence_their_primary_rests_on() -> None:
+    """Labels of the rarer class (at the positive threshold) plus the hold-out's selection pairs."""
+    from reward_models.train import bundle_metrics
+
+    class Constant:
+        def score(self, frame: pd.DataFrame) -> np.ndarray:
+            return np.arange(len(frame), dtype=float)
+
+    test = pd.DataFrame(
+        {"session_id": list("abcdef"), "reward": [0.9, 0.8, 0.2, np.nan, 0.7, 0.6]},
+    )
+    pairs = pd.DataFrame({"chosen": ["a", "e"], "rejected": ["c", "f"]})
+    bundle = RewardBundle(heads={"h": Constant()}, weights={"h": 1.0})
+    m = bundle_metrics(bundle, test, pairs, 0.5)
+    assert m["evidence"] == 1 + 2  # one label under 0.5 of five, two pairs
+    assert bundle_metrics(bundle, test, pairs.iloc[:0], 0.5)["evidence"] == 1
 
 
 @pytest.mark.parametrize(
