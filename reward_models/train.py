@@ -98,7 +98,8 @@ def bundle_metrics(
     scores = bundle.score(test) if len(test) else np.zeros(0)
     out: dict[str, Any] = {"finite": _finite(scores)}
     labeled = test["reward"].notna().to_numpy()
-    out["composite_auc"] = ev.auc((test["reward"].to_numpy()[labeled] >= threshold).astype(int), scores[labeled])
+    y = (test["reward"].to_numpy()[labeled] >= threshold).astype(int)
+    out["composite_auc"] = ev.auc(y, scores[labeled])
     pos = pd.Series(np.arange(len(test)), index=test["session_id"].to_numpy())
     if len(test_pairs):
         c, r = pos.loc[test_pairs["chosen"]].to_numpy(), pos.loc[test_pairs["rejected"]].to_numpy()
@@ -108,8 +109,7 @@ def bundle_metrics(
     parts = [v for v in (out["composite_auc"], out["pairwise_acc"]) if v is not None]
     out["primary"] = float(np.mean(parts)) if parts and out["finite"] else None
     # what the primary rests on, as a head's evidence (head_evidence): labels of the rarer class, plus pairs
-    positive = int(np.sum(test["reward"].to_numpy()[labeled] >= threshold))
-    out["evidence"] = min(positive, int(labeled.sum()) - positive) + len(test_pairs)
+    out["evidence"] = int(min(y.sum(), len(y) - y.sum())) + len(test_pairs)
     return out
 
 
@@ -402,7 +402,6 @@ def train_reward_models(
 
     current = registry.current_promoted(engine)
     current_primary: float | None = None
-    current_labeled = int(current.n_labeled or 0) if current is not None else None
     if current is not None:
         try:
             current_bundle = registry.load_bundle(current)
@@ -412,9 +411,7 @@ def train_reward_models(
             current_primary = metrics["current"]["primary"]
         except registry.CorruptArtifact as exc:
             metrics["current"] = {"error": str(exc)}
-    status, reason = _decide(
-        metrics, heads, current, current_primary, config, n_labeled=fit.n_labeled, current_n_labeled=current_labeled
-    )
+    status, reason = _decide(metrics, heads, current, current_primary, config, n_labeled=fit.n_labeled)
 
     reference = bundle.score(test.reset_index()) if len(test) else np.zeros(0)
     ref_sample = np.random.default_rng(config.seed).permutation(reference)[:1000] if len(reference) else reference
@@ -466,7 +463,6 @@ def _decide(
     config: RewardsConfig,
     *,
     n_labeled: int | None = None,
-    current_n_labeled: int | None = None,
 ) -> tuple[str, str]:
     """Promotion gate: finite scores, every head over its trivial baseline (where its hold-out is large
     enough to tell, :func:`head_evidence`), and better than the current version (where the hold-out is
@@ -498,7 +494,7 @@ def _decide(
                 registry.CANDIDATE,
                 f"{name}: {value:.3f} does not beat the trivial baseline {base:.3f} by {config.min_auc_over_baseline}",
             )
-    status, reason = _decide_bundle(bundle, current, current_primary, config, n_labeled, current_n_labeled)
+    status, reason = _decide_bundle(bundle, current, current_primary, config, n_labeled)
     if unjudged:
         reason += f" (not judged, too small a hold-out: {', '.join(unjudged)})"
     return status, reason
@@ -528,15 +524,15 @@ def _decide_bundle(
     current_primary: float | None,
     config: RewardsConfig,
     n_labeled: int | None = None,
-    current_n_labeled: int | None = None,
 ) -> tuple[str, str]:
     """The bundle's part of the gate: a primary metric over chance, and better than the current version's.
 
     Where the hold-out's evidence (``bundle["evidence"]``: labels of the rarer class plus pairs) is under
     ``head_check_min_evidence``, the two primaries differ by noise (on 8 labels and 4 pairs, by 0.1 and
-    more either way), and a version trained on more labeled sessions than the current one replaces it
-    (``rewards.small_holdout_prefers_more_labels``); without that rule the first version promoted on
-    little data stayed promoted while every retrain on more data lost a coin toss to it."""
+    more either way), and a version trained on more labeled sessions (``n_labeled``) than the current one
+    (its registry row's ``n_labeled``) replaces it (``rewards.small_holdout_prefers_more_labels``); without
+    that rule the first version promoted on little data stayed promoted while every retrain on more data
+    lost a coin toss to it."""
     if bundle["primary"] is None:
         return registry.CANDIDATE, "no hold-out metric for the bundle"
     # the bundle's score is what RL trains on: each head over its baseline is not enough when their
@@ -556,6 +552,7 @@ def _decide_bundle(
             f"beats {current.version}: {bundle['primary']:.4f} > {current_primary:.4f} on the same hold-out",
         )
     evidence = bundle.get("evidence")
+    current_n_labeled = getattr(current, "n_labeled", None)
     if (
         config.small_holdout_prefers_more_labels
         and evidence is not None

@@ -242,7 +242,7 @@ def test_a_hold_out_too_small_to_tell_two_versions_apart_prefers_the_one_trained
 
     heads = {"retention": object()}
     config = RewardsConfig()
-    current = type("Current", (), {"version": "rm-0002"})()
+    current = type("Current", (), {"version": "rm-0002", "n_labeled": 125})()  # a registry row's fields
 
     def metrics(primary: float, evidence: int | None) -> dict[str, Any]:
         bundle: dict[str, Any] = {"finite": True, "primary": primary}
@@ -250,35 +250,29 @@ def test_a_hold_out_too_small_to_tell_two_versions_apart_prefers_the_one_trained
             bundle["evidence"] = evidence
         return {"bundle": bundle, "retention": {"auc": 0.7, "auc_baseline": 0.5, "n": 20, "positive_rate": 0.8}}
 
-    status, reason = _decide(metrics(0.715, 9), heads, current, 0.754, config, n_labeled=195, current_n_labeled=125)
+    status, reason = _decide(metrics(0.715, 9), heads, current, 0.754, config, n_labeled=195)
     assert status == registry.PROMOTED and "replaces rm-0002" in reason and "195 against 125" in reason, reason
     # a tie is no longer a refusal on such a hold-out
-    assert _decide(metrics(0.619, 3), heads, current, 0.619, config, n_labeled=217, current_n_labeled=125)[0] == (
-        registry.PROMOTED
-    )
+    assert _decide(metrics(0.619, 3), heads, current, 0.619, config, n_labeled=217)[0] == (registry.PROMOTED)
     # a hold-out that can tell them apart still decides
-    status, reason = _decide(metrics(0.715, 40), heads, current, 0.754, config, n_labeled=195, current_n_labeled=125)
+    status, reason = _decide(metrics(0.715, 40), heads, current, 0.754, config, n_labeled=195)
     assert status == registry.CANDIDATE and "does not beat rm-0002" in reason
     # a retrain on no more labels (the same data again) does not replace it
-    status, _ = _decide(metrics(0.715, 9), heads, current, 0.754, config, n_labeled=125, current_n_labeled=125)
+    status, _ = _decide(metrics(0.715, 9), heads, current, 0.754, config, n_labeled=125)
     assert status == registry.CANDIDATE
     # metrics of before the bundle's evidence was recorded, or no counts: the old rule
-    assert _decide(metrics(0.715, None), heads, current, 0.754, config, n_labeled=195, current_n_labeled=125)[0] == (
-        registry.CANDIDATE
-    )
+    assert _decide(metrics(0.715, None), heads, current, 0.754, config, n_labeled=195)[0] == (registry.CANDIDATE)
     assert _decide(metrics(0.715, 9), heads, current, 0.754, config)[0] == registry.CANDIDATE
     # under chance is refused whatever it trained on
-    status, reason = _decide(metrics(0.45, 9), heads, current, 0.754, config, n_labeled=195, current_n_labeled=125)
+    status, reason = _decide(metrics(0.45, 9), heads, current, 0.754, config, n_labeled=195)
     assert status == registry.CANDIDATE and "chance" in reason
     # a head that fails on a hold-out large enough to tell still refuses
     failing = metrics(0.715, 9)
     failing["retention"] = {"auc": 0.45, "auc_baseline": 0.5, "n": 200, "positive_rate": 0.3}
-    status, reason = _decide(failing, heads, current, 0.754, config, n_labeled=195, current_n_labeled=125)
+    status, reason = _decide(failing, heads, current, 0.754, config, n_labeled=195)
     assert status == registry.CANDIDATE and "retention" in reason
     off = RewardsConfig(small_holdout_prefers_more_labels=False)
-    assert _decide(metrics(0.715, 9), heads, current, 0.754, off, n_labeled=195, current_n_labeled=125)[0] == (
-        registry.CANDIDATE
-    )
+    assert _decide(metrics(0.715, 9), heads, current, 0.754, off, n_labeled=195)[0] == (registry.CANDIDATE)
 
 
 def test_the_bundle_metrics_count_the_evidence_their_primary_rests_on() -> None:
