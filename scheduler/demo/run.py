@@ -238,8 +238,10 @@ class Orchestrator:
         self.groups_at_submit = self.groups()
         log.info("demo.chain_submitted", kind=kind, run_id=run_id)
 
-    def poll(self, accepting: bool) -> str:
-        """Collect a finished job; submit the next one when there is enough new data."""
+    def poll(self, left_s: float) -> str:
+        """Collect a finished job; submit the next one when there is enough new data and an update could
+        finish in the ``left_s`` seconds left of the traffic phase. The estimate is taken after the
+        collection, so an update that just finished slower than all before it counts."""
         from sqlalchemy import select
 
         from scheduler.loop.jobs import FINISHED, reap_lost
@@ -262,7 +264,7 @@ class Orchestrator:
                 outcome["error"] = f"{row.state}: {row.error}"
             self.outcomes.append(outcome)
             self.inflight = None
-        if not accepting:
+        if self.expected_chain_s() >= left_s:
             return "no new updates (end of the traffic phase)"
         new = self.groups() - self.groups_at_submit
         if new < self.opts.min_new_groups:
@@ -361,8 +363,7 @@ def run_demo(base: Settings, opts: DemoOptions) -> dict[str, Any]:
         with Live(console=console, refresh_per_second=2) as live:
             while True:
                 now = time.monotonic() - traffic_start
-                accepting = now + orch.expected_chain_s() < span_s
-                status = orch.poll(accepting)
+                status = orch.poll(span_s - now)
                 done = now >= span_s and orch.inflight is None
                 if done or now >= span_s + opts.finish_grace_s:
                     break

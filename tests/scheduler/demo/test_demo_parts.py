@@ -181,3 +181,36 @@ def test_the_report_prints_each_gain_beside_its_own_figure_and_the_target_on_gai
     assert "(+10.0 points)" in task and "target" not in task
     assert "(+8.0 points; gain_points, target +10" in truth
     assert any("scored 42 with rm-0001-aa; trained rm-0002-bb (candidate 0.420)" in line for line in lines)
+
+
+def test_an_update_that_just_finished_slower_than_all_before_it_keeps_the_next_from_overrunning(
+    engine: Any, tmp_path: Path
+) -> None:
+    """The demo submits an update only when one could finish before the traffic phase ends, judged by
+    the slowest update so far. The update collected in the same poll counts: on a slow machine the
+    third update waited 80 s for a replica to borrow and took 199 s, and a next one submitted on the
+    earlier 65 s estimate ran two minutes past the traffic phase."""
+    import time
+    from datetime import UTC, datetime
+    from types import SimpleNamespace
+
+    from ingest.db import transaction
+    from scheduler.demo.run import DemoOptions, Orchestrator
+    from scheduler.settings import Settings
+    from scheduler.tables import JobRow
+
+    now = datetime.now(UTC)
+    with transaction(engine) as s:
+        s.add(JobRow(id="update-1", name="loop", state="SUCCESS", inputs={}, outputs={}, created_at=now))
+    opts = DemoOptions(min_new_groups=0, drill=False)
+    orch = Orchestrator(Settings(home=tmp_path), SimpleNamespace(engine=engine), opts)
+    submitted: list[str] = []
+    orch.submit = submitted.append  # type: ignore[method-assign]
+    orch.outcomes = [{"kind": "update", "seconds": 65.0}]
+    orch.inflight, orch.inflight_kind, orch.inflight_since = "update-1", "update", time.monotonic() - 199.0
+
+    assert orch.poll(left_s=100.0) == "no new updates (end of the traffic phase)"
+    assert submitted == [] and orch.inflight is None
+    assert orch.expected_chain_s() >= 199.0
+    assert orch.poll(left_s=250.0) == "update submitted"
+    assert submitted == ["update"]
