@@ -189,28 +189,35 @@ def test_an_update_that_just_finished_slower_than_all_before_it_keeps_the_next_f
     """The demo submits an update only when one could finish before the traffic phase ends, judged by
     the slowest update so far. The update collected in the same poll counts: on a slow machine the
     third update waited 80 s for a replica to borrow and took 199 s, and a next one submitted on the
-    earlier 65 s estimate ran two minutes past the traffic phase."""
+    earlier 65 s estimate ran two minutes past the traffic phase. The submission is the real one: the
+    job recorded in the database and queued on the default broker (the SQLAlchemy transport on it)."""
     import time
     from datetime import UTC, datetime
     from types import SimpleNamespace
+
+    from sqlalchemy import select
 
     from ingest.db import transaction
     from scheduler.demo.run import DemoOptions, Orchestrator
     from scheduler.settings import Settings
     from scheduler.tables import JobRow
 
+    def loop_jobs() -> list[str]:
+        with engine.connect() as conn:
+            return sorted(conn.scalars(select(JobRow.id).where(JobRow.name == "loop")))
+
     now = datetime.now(UTC)
     with transaction(engine) as s:
         s.add(JobRow(id="update-1", name="loop", state="SUCCESS", inputs={}, outputs={}, created_at=now))
     opts = DemoOptions(min_new_groups=0, drill=False)
-    orch = Orchestrator(Settings(home=tmp_path), SimpleNamespace(engine=engine), opts)
-    submitted: list[str] = []
-    orch.submit = submitted.append  # type: ignore[method-assign]
+    settings = Settings(home=tmp_path, database_url=engine.url.render_as_string(hide_password=False))
+    orch = Orchestrator(settings, SimpleNamespace(engine=engine), opts)
     orch.outcomes = [{"kind": "update", "seconds": 65.0}]
     orch.inflight, orch.inflight_kind, orch.inflight_since = "update-1", "update", time.monotonic() - 199.0
 
     assert orch.poll(left_s=100.0) == "no new updates (end of the traffic phase)"
-    assert submitted == [] and orch.inflight is None
+    assert loop_jobs() == ["update-1"] and orch.inflight is None
     assert orch.expected_chain_s() >= 199.0
     assert orch.poll(left_s=250.0) == "update submitted"
-    assert submitted == ["update"]
+    queued = [j for j in loop_jobs() if j != "update-1"]
+    assert len(queued) == 1 and queued[0].startswith("update-") and orch.inflight == queued[0]
