@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -106,6 +107,9 @@ class DemoOptions:
     gate_min_judged: int = 6
     """Sessions users must have judged (signals of the acceptance proxy) before a stage is judged: the
     population signals on few sessions, and a canary nobody judged must not pass."""
+    lend_check_s: float = 5.0
+    """How often the demo asks the capacity planner whether it would lend a replica (the estimate of an
+    update's wait for one)."""
     expected_update_s: float = 90.0
     """Expected duration of one update (train, store, canary, gate) before one was measured: no update
     is submitted when it could not finish within the traffic phase."""
@@ -203,11 +207,51 @@ class Orchestrator:
         self.outcomes: list[dict[str, Any]] = []
         self.drilled = False
         self.promoted = 0
+        self.lend_checked_at = -math.inf
+        self.no_lend_since: float | None = None
+        self.longest_no_lend_s = 0.0
 
     def expected_chain_s(self) -> float:
         """How long an update takes end to end (the slowest finished so far; a guess before any)."""
         done = [o["seconds"] for o in self.outcomes if "seconds" in o]
         return max(done) if done else self.opts.expected_update_s
+
+    def planner_lends(self) -> bool:
+        """Whether the capacity planner would let an update borrow a replica of some pool now, whoever
+        holds one (the demo's only borrower is its own update)."""
+        from scheduler.loop.borrowing import fleet_control
+        from scheduler.loop.planning import plan_pool
+
+        fleet = fleet_control(self.settings)
+        pools = [p.name for p in self.settings.scheduler.pools]
+        return any(plan_pool(fleet, self.settings, p, len(fleet.replicas(p)))["lendable"] > 0 for p in pools)
+
+    def observe_lending(self) -> None:
+        """Every ``lend_check_s``: ask the planner whether it would lend, and track the stretches when it
+        would not (at the trace's peak every replica serves)."""
+        now = time.monotonic()
+        if now - self.lend_checked_at < self.opts.lend_check_s:
+            return
+        self.lend_checked_at = now
+        try:
+            lends = self.planner_lends()
+        except Exception as exc:  # the estimate is advisory: a failed check never stops the loop
+            log.warning("demo.lend_check_failed", error=str(exc))
+            lends = True
+        if not lends and self.no_lend_since is None:
+            self.no_lend_since = now
+        elif lends and self.no_lend_since is not None:
+            self.longest_no_lend_s = max(self.longest_no_lend_s, now - self.no_lend_since)
+            self.no_lend_since = None
+
+    def expected_wait_s(self) -> float:
+        """How long an update submitted now would wait for a replica: none while the planner lends; else
+        the longest stretch without a replica seen so far, the current one's age (a stretch N s old is
+        taken to last about N s more) or one retry delay, whichever is longest."""
+        if self.no_lend_since is None:
+            return 0.0
+        current = time.monotonic() - self.no_lend_since
+        return max(self.longest_no_lend_s, current, self.settings.scheduler.preempt_resume_s)
 
     def groups(self) -> int:
         """Groups stored so far that an update trains on: candidate groups (the K choices of one request)
@@ -241,7 +285,9 @@ class Orchestrator:
     def poll(self, left_s: float) -> str:
         """Collect a finished job; submit the next one when there is enough new data and an update could
         finish in the ``left_s`` seconds left of the traffic phase. The estimate is taken after the
-        collection, so an update that just finished slower than all before it counts."""
+        collection, so an update that just finished slower than all before it counts, and so does the wait
+        for a replica while the planner lends none (:meth:`expected_wait_s`): a wait longer than any
+        finished update's could otherwise still run past the phase."""
         from sqlalchemy import select
 
         from scheduler.loop.jobs import FINISHED, reap_lost
@@ -264,11 +310,16 @@ class Orchestrator:
                 outcome["error"] = f"{row.state}: {row.error}"
             self.outcomes.append(outcome)
             self.inflight = None
-        if self.expected_chain_s() >= left_s:
+        self.observe_lending()
+        expected = self.expected_chain_s()
+        if expected >= left_s:
             return "no new updates (end of the traffic phase)"
         new = self.groups() - self.groups_at_submit
         if new < self.opts.min_new_groups:
             return f"collecting data ({new}/{self.opts.min_new_groups} new groups)"
+        wait = self.expected_wait_s()
+        if expected + wait >= left_s:
+            return f"no new updates (no replica can be lent now; a wait of about {wait:.0f} s would overrun)"
         kind = "drill" if self.opts.drill and self.promoted >= 1 and not self.drilled else "update"
         self.drilled = self.drilled or kind == "drill"
         self.submit(kind)

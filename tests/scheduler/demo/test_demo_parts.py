@@ -221,3 +221,65 @@ def test_an_update_that_just_finished_slower_than_all_before_it_keeps_the_next_f
     assert orch.poll(left_s=250.0) == "update submitted"
     queued = [j for j in loop_jobs() if j != "update-1"]
     assert len(queued) == 1 and queued[0].startswith("update-") and orch.inflight == queued[0]
+
+
+def test_no_update_is_submitted_near_the_end_while_the_planner_lends_no_replica(engine: Any, tmp_path: Path) -> None:
+    """At the trace's peak the capacity planner lends no replica: every one serves users. An update
+    submitted then waits for one, and on a slow machine such a wait (48 s) was longer than any finished
+    update's, so an update submitted on a 77 s estimate with 94 s left ran 78 s past the traffic phase.
+    The demo asks the planner (a fleet at 10x one replica's capacity lends nothing, one at half lends)
+    and counts the wait: the longest stretch without a replica so far or the current one's age."""
+    import time
+    from datetime import UTC, datetime
+    from types import SimpleNamespace
+
+    from scheduler_helpers import FileFleet
+    from sqlalchemy import select, update
+
+    from ingest.db import transaction
+    from scheduler.demo.run import DemoOptions, Orchestrator
+    from scheduler.settings import SchedulerConfig, Settings
+    from scheduler.tables import JobRow
+
+    def loop_jobs() -> list[str]:
+        with engine.connect() as conn:
+            return sorted(conn.scalars(select(JobRow.id).where(JobRow.name == "loop")))
+
+    def set_load(rps: float) -> None:
+        with fleet._edit() as state:
+            state["load_rps"] = rps
+
+    fleet = FileFleet.create(tmp_path, n=3, load_rps=1000.0)  # 100 rps a replica: all three serve
+    settings = Settings(
+        home=tmp_path,
+        database_url=engine.url.render_as_string(hide_password=False),
+        scheduler=SchedulerConfig(fleet_control="scheduler_helpers:fleet", preempt_resume_s=3.0),
+    )
+    orch = Orchestrator(
+        settings, SimpleNamespace(engine=engine), DemoOptions(min_new_groups=0, drill=False, lend_check_s=0)
+    )
+    orch.outcomes = [{"kind": "update", "seconds": 65.0}]
+
+    assert not orch.planner_lends()
+    orch.observe_lending()
+    assert orch.no_lend_since is not None
+    orch.no_lend_since -= 60.0  # no replica for the last minute
+    status = orch.poll(left_s=100.0)
+    assert status.startswith("no new updates (no replica can be lent now; a wait of about 6"), status
+    assert loop_jobs() == [] and orch.inflight is None
+
+    set_load(50.0)  # the peak passed: the planner lends again, and the stretch is remembered
+    assert orch.poll(left_s=100.0) == "update submitted"
+    assert len(loop_jobs()) == 1 and orch.inflight == loop_jobs()[0]
+    assert orch.longest_no_lend_s >= 60.0 and orch.no_lend_since is None
+    with transaction(engine) as s:
+        s.execute(
+            update(JobRow).where(JobRow.id == orch.inflight).values(state="SUCCESS", finished_at=datetime.now(UTC))
+        )
+
+    set_load(1000.0)  # a second peak: its stretch has only begun, the first one's length counts
+    time.sleep(0.01)
+    assert orch.poll(left_s=100.0).startswith("no new updates (no replica can be lent now")
+    assert len(loop_jobs()) == 1 and len(orch.outcomes) == 2 and orch.inflight is None
+    assert orch.poll(left_s=200.0) == "update submitted"  # time enough for the wait and the update
+    assert len(loop_jobs()) == 2
