@@ -39,6 +39,7 @@ import structlog
 from scheduler.demo.heldout import DRILL_LABEL
 
 if TYPE_CHECKING:
+    from scheduler.loop.borrowing import FleetControl
     from scheduler.settings import Settings
 
 log = structlog.get_logger(__name__)
@@ -210,6 +211,7 @@ class Orchestrator:
         self.lend_checked_at = -math.inf
         self.no_lend_since: float | None = None
         self.longest_no_lend_s = 0.0
+        self.fleet: FleetControl | None = None
 
     def expected_chain_s(self) -> float:
         """How long an update takes end to end (the slowest finished so far; a guess before any)."""
@@ -222,7 +224,9 @@ class Orchestrator:
         from scheduler.loop.borrowing import fleet_control
         from scheduler.loop.planning import plan_pool
 
-        fleet = fleet_control(self.settings)
+        if self.fleet is None:  # made once: the registry's fleet opens a database engine
+            self.fleet = fleet_control(self.settings)
+        fleet = self.fleet
         pools = [p.name for p in self.settings.scheduler.pools]
         return any(plan_pool(fleet, self.settings, p, len(fleet.replicas(p)))["lendable"] > 0 for p in pools)
 
