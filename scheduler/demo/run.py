@@ -222,13 +222,11 @@ class Orchestrator:
         """Whether the capacity planner would let an update borrow a replica of some pool now, whoever
         holds one (the demo's only borrower is its own update)."""
         from scheduler.loop.borrowing import fleet_control
-        from scheduler.loop.planning import plan_pool
+        from scheduler.loop.planning import plan_pools
 
         if self.fleet is None:  # made once: the registry's fleet opens a database engine
             self.fleet = fleet_control(self.settings)
-        fleet = self.fleet
-        pools = [p.name for p in self.settings.scheduler.pools]
-        return any(plan_pool(fleet, self.settings, p, len(fleet.replicas(p)))["lendable"] > 0 for p in pools)
+        return any(plan["lendable"] > 0 for _ids, plan in plan_pools(self.fleet, self.settings))
 
     def observe_lending(self) -> None:
         """Every ``lend_check_s``: ask the planner whether it would lend, and track the stretches when it

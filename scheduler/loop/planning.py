@@ -53,16 +53,23 @@ def plan_pool(fleet: FleetControl, settings: Settings, pool: str, replicas: int)
     }
 
 
+def plan_pools(fleet: FleetControl, settings: Settings) -> list[tuple[list[str], dict[str, Any]]]:
+    """Every configured pool's replica ids and its plan (:func:`plan_pool`), in configuration order."""
+    planned = []
+    for pool in settings.scheduler.pools:
+        ids = fleet.replicas(pool.name)
+        planned.append((ids, plan_pool(fleet, settings, pool.name, len(ids))))
+    return planned
+
+
 def choose_replicas(fleet: FleetControl, engine: Engine, settings: Settings, wanted: int) -> list[tuple[str, str]]:
     """``(replica_id, pool)`` to borrow now: pools deepest in their night first, unleased replicas."""
     held = {lease["replica_id"] for lease in leases.active_leases(engine)}
     offers, free = [], {}
-    for pool in settings.scheduler.pools:
-        ids = fleet.replicas(pool.name)
-        plan = plan_pool(fleet, settings, pool.name, len(ids))
+    for ids, plan in plan_pools(fleet, settings):
         lent_now = sum(1 for r in ids if r in held)
-        offers.append(PoolOffer(pool.name, len(ids), max(0, plan["lendable"] - lent_now)))
-        free[pool.name] = [r for r in ids if r not in held]
+        offers.append(PoolOffer(plan["pool"], len(ids), max(0, plan["lendable"] - lent_now)))
+        free[plan["pool"]] = [r for r in ids if r not in held]
     picked = []
     for pool_name, n in allocate(offers, wanted).items():
         picked += [(r, pool_name) for r in free[pool_name][:n]]

@@ -24,7 +24,7 @@ from sqlalchemy.exc import OperationalError
 from scheduler.loop import jobs, leases, steps
 from scheduler.loop.app import app, worker_engine, worker_settings
 from scheduler.loop.borrowing import FleetControl, fleet_control, give_back, lend, reap
-from scheduler.loop.planning import choose_replicas, plan_pool
+from scheduler.loop.planning import choose_replicas, plan_pools
 from scheduler.loop.preemptible import run_preemptible
 from scheduler.loop.state import LoopState, Step
 from scheduler.loop.submit import new_job_id, submit
@@ -206,10 +206,9 @@ def plan_capacity() -> dict[str, Any]:
     fleet: FleetControl = fleet_control(settings)
     held = leases.active_leases(engine)
     plans = []
-    for pool in settings.scheduler.pools:
-        ids = fleet.replicas(pool.name)
-        plan = plan_pool(fleet, settings, pool.name, len(ids))
-        lent = [lease["replica_id"] for lease in held if lease["pool"] == pool.name and not lease["recall_requested"]]
+    for _ids, plan in plan_pools(fleet, settings):
+        pool = plan["pool"]
+        lent = [lease["replica_id"] for lease in held if lease["pool"] == pool and not lease["recall_requested"]]
         excess = max(0, len(lent) - plan["lendable"])
         plan["recalled"] = (
             leases.request_recall(engine, lent[:excess], settings.scheduler.preempt_deadline_s) if excess else []

@@ -183,6 +183,16 @@ def test_the_report_prints_each_gain_beside_its_own_figure_and_the_target_on_gai
     assert any("scored 42 with rm-0001-aa; trained rm-0002-bb (candidate 0.420)" in line for line in lines)
 
 
+def _loop_jobs(engine: Any) -> list[str]:
+    """Ids of the loop jobs recorded in the database, sorted."""
+    from sqlalchemy import select
+
+    from scheduler.tables import JobRow
+
+    with engine.connect() as conn:
+        return sorted(conn.scalars(select(JobRow.id).where(JobRow.name == "loop")))
+
+
 def test_an_update_that_just_finished_slower_than_all_before_it_keeps_the_next_from_overrunning(
     engine: Any, tmp_path: Path
 ) -> None:
@@ -195,16 +205,10 @@ def test_an_update_that_just_finished_slower_than_all_before_it_keeps_the_next_f
     from datetime import UTC, datetime
     from types import SimpleNamespace
 
-    from sqlalchemy import select
-
     from ingest.db import transaction
     from scheduler.demo.run import DemoOptions, Orchestrator
     from scheduler.settings import Settings
     from scheduler.tables import JobRow
-
-    def loop_jobs() -> list[str]:
-        with engine.connect() as conn:
-            return sorted(conn.scalars(select(JobRow.id).where(JobRow.name == "loop")))
 
     now = datetime.now(UTC)
     with transaction(engine) as s:
@@ -216,10 +220,10 @@ def test_an_update_that_just_finished_slower_than_all_before_it_keeps_the_next_f
     orch.inflight, orch.inflight_kind, orch.inflight_since = "update-1", "update", time.monotonic() - 199.0
 
     assert orch.poll(left_s=100.0) == "no new updates (end of the traffic phase)"
-    assert loop_jobs() == ["update-1"] and orch.inflight is None
+    assert _loop_jobs(engine) == ["update-1"] and orch.inflight is None
     assert orch.expected_chain_s() >= 199.0
     assert orch.poll(left_s=250.0) == "update submitted"
-    queued = [j for j in loop_jobs() if j != "update-1"]
+    queued = [j for j in _loop_jobs(engine) if j != "update-1"]
     assert len(queued) == 1 and queued[0].startswith("update-") and orch.inflight == queued[0]
 
 
@@ -229,21 +233,16 @@ def test_no_update_is_submitted_near_the_end_while_the_planner_lends_no_replica(
     update's, so an update submitted on a 77 s estimate with 94 s left ran 78 s past the traffic phase.
     The demo asks the planner (a fleet at 10x one replica's capacity lends nothing, one at half lends)
     and counts the wait: the longest stretch without a replica so far or the current one's age."""
-    import time
     from datetime import UTC, datetime
     from types import SimpleNamespace
 
     from scheduler_helpers import FileFleet
-    from sqlalchemy import select, update
+    from sqlalchemy import update
 
     from ingest.db import transaction
     from scheduler.demo.run import DemoOptions, Orchestrator
     from scheduler.settings import SchedulerConfig, Settings
     from scheduler.tables import JobRow
-
-    def loop_jobs() -> list[str]:
-        with engine.connect() as conn:
-            return sorted(conn.scalars(select(JobRow.id).where(JobRow.name == "loop")))
 
     def set_load(rps: float) -> None:
         with fleet._edit() as state:
@@ -266,11 +265,11 @@ def test_no_update_is_submitted_near_the_end_while_the_planner_lends_no_replica(
     orch.no_lend_since -= 60.0  # no replica for the last minute
     status = orch.poll(left_s=100.0)
     assert status.startswith("no new updates (no replica can be lent now; a wait of about 6"), status
-    assert loop_jobs() == [] and orch.inflight is None
+    assert _loop_jobs(engine) == [] and orch.inflight is None
 
     set_load(50.0)  # the peak passed: the planner lends again, and the stretch is remembered
     assert orch.poll(left_s=100.0) == "update submitted"
-    assert len(loop_jobs()) == 1 and orch.inflight == loop_jobs()[0]
+    assert len(_loop_jobs(engine)) == 1 and orch.inflight == _loop_jobs(engine)[0]
     assert orch.longest_no_lend_s >= 60.0 and orch.no_lend_since is None
     with transaction(engine) as s:
         s.execute(
@@ -278,8 +277,7 @@ def test_no_update_is_submitted_near_the_end_while_the_planner_lends_no_replica(
         )
 
     set_load(1000.0)  # a second peak: its stretch has only begun, the first one's length counts
-    time.sleep(0.01)
     assert orch.poll(left_s=100.0).startswith("no new updates (no replica can be lent now")
-    assert len(loop_jobs()) == 1 and len(orch.outcomes) == 2 and orch.inflight is None
+    assert len(_loop_jobs(engine)) == 1 and len(orch.outcomes) == 2 and orch.inflight is None
     assert orch.poll(left_s=200.0) == "update submitted"  # time enough for the wait and the update
-    assert len(loop_jobs()) == 2
+    assert len(_loop_jobs(engine)) == 2
