@@ -76,6 +76,12 @@ class PolicyConfig(BaseModel):
     """Replay the served routed experts in the training forward."""
     max_staleness: int = Field(default=4, ge=0)
     """Rollouts more than this many versions behind the trained policy are dropped and counted."""
+    rl_lineage_only: bool = True
+    """A production update trains only on sessions served by the version it starts from and that
+    version's ancestors: a version the fleet rolled back (a failed canary, the demo's gate drill)
+    served a policy off that line, and its answers are far off-policy (in a demo, the update that
+    trained on the drill's answers measured a KL to v0 50 times the others'). False: any version
+    within ``max_staleness``."""
     threads: int = Field(default=1, ge=1)
     """torch CPU threads of the trainer (fixed, so runs are bit-reproducible)."""
     parallel: Literal["fsdp", "ddp"] = "fsdp"

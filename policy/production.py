@@ -7,7 +7,8 @@ scheduler builds it from its settings sections and the job's :class:`TrainReques
 - **data**: every stored session of the request's window (``since``/``until`` on the session's
   ``occurred_at``) with token ids, serving logprobs and routed experts
   (:func:`policy.trajectories.session_trajectories`), at most ``max_staleness`` versions behind the
-  version trained from (:func:`policy.rollouts.filter_stale`: older and unknown versions drop);
+  version trained from (:func:`policy.rollouts.filter_stale`: older and unknown versions drop, and
+  with ``PolicyConfig.rl_lineage_only`` so do versions off the trained one's line of ancestors);
 - **reward**: the composite label from user signals (:func:`reward_models.labels.build_labels`:
   retention, acceptance, selection, switch) where a session has one; else the promoted reward
   model's score (:func:`reward_models.api.load_scorer`) as a keep probability ``sigmoid(score)``,
@@ -93,7 +94,7 @@ from policy.rollouts import Rollout, filter_stale, version_number
 from policy.tables import PolicyVersionRow
 from policy.trainer import make_optimizer, update_step
 from policy.trajectories import session_trajectories, turn_of
-from policy.versions import latest_version, list_versions, record_version, version_id
+from policy.versions import latest_version, lineage, list_versions, record_version, version_id
 from reward_models.config import RewardsConfig
 from reward_models.guard import HackingReport
 
@@ -378,7 +379,10 @@ class ProductionSession:
         rewards, labeled = sources.rewards, sources.labeled
         rollouts, from_label = load_rollouts(self.engine, rewards, max_tokens=MAX_CONTEXT, labeled=labeled)
         base_number = version_number(self.parent.version_id) or 0
-        fresh, stats = filter_stale(rollouts, base_number, self.cfg.max_staleness)
+        line = None
+        if self.cfg.rl_lineage_only:
+            line = {n for v in lineage(self.engine, self.parent.version_id) if (n := version_number(v)) is not None}
+        fresh, stats = filter_stale(rollouts, base_number, self.cfg.max_staleness, lineage=line)
         self.stale = stats
         self.from_label = from_label  # rollouts rewarded by their label (the others: the model's score)
         first = from_label if rewards_config.rl_labels_first else None
@@ -479,6 +483,7 @@ class ProductionSession:
             "batch/rollouts": float(sum(len(p) for p in self.plan)),
             "batch/sessions": float(len({sid for batch in self.plan for sid, _ in batch})),
             "batch/model_scored": float(self.model_scored),
+            "batch/off_lineage_dropped": float(self.stale.off_lineage),
         }
         if self.reward_model is not None:
             metrics["reward/model"] = self.reward_model
@@ -515,7 +520,12 @@ class ProductionSession:
             "parent": row.parent_id,
             "checkpoint": str(path),
             "metrics": metrics,
-            "staleness": {"kept": self.stale.kept, "dropped": self.stale.dropped, "mean": self.stale.mean},
+            "staleness": {
+                "kept": self.stale.kept,
+                "dropped": self.stale.dropped,
+                "off_lineage": self.stale.off_lineage,
+                "mean": self.stale.mean,
+            },
             "trained_sessions": sorted({sid for batch in self.plan for sid, _ in batch}),
         }
         return dict(broadcast(result))

@@ -11,7 +11,8 @@ the policy version that produced it (for staleness).
 - :func:`rollouts_from_sessions` turns stored ``session.completed`` rows into rollouts (split at
   self-summaries, see :mod:`policy.windows`) with a reward mapping passed in by the caller
   (the scheduler wires the reward models' scoring API here).
-- :func:`filter_stale` drops rollouts older than the maximum staleness and counts them.
+- :func:`filter_stale` drops rollouts older than the maximum staleness and counts them, and, given
+  the trained version's lineage, those served by a version off it (one the fleet rolled back).
 """
 
 from __future__ import annotations
@@ -134,12 +135,21 @@ class StalenessStats:
     kept: int = 0
     dropped: int = 0
     unknown: int = 0
+    off_lineage: int = 0
+    """Of ``dropped``: rollouts served by a version that is not the trained one or an ancestor of it."""
     mean: float | None = None
     max: int | None = None
 
 
-def filter_stale(rollouts: Sequence[Rollout], current: int, max_staleness: int) -> tuple[list[Rollout], StalenessStats]:
-    """Keep rollouts at most ``max_staleness`` versions behind ``current``; unknown versions drop too."""
+def filter_stale(
+    rollouts: Sequence[Rollout], current: int, max_staleness: int, *, lineage: set[int] | None = None
+) -> tuple[list[Rollout], StalenessStats]:
+    """Keep rollouts at most ``max_staleness`` versions behind ``current``; unknown versions drop too.
+
+    With ``lineage`` (the version numbers of ``current`` and its ancestors), rollouts of any other
+    version drop as well: a sibling the fleet rolled back (a failed canary, the demo's gate drill)
+    served a policy the trained one does not descend from, so its samples are far off-policy however
+    recent they are."""
     kept, ages = [], []
     stats = StalenessStats()
     for r in rollouts:
@@ -149,6 +159,10 @@ def filter_stale(rollouts: Sequence[Rollout], current: int, max_staleness: int) 
             continue
         age = current - r.policy_version
         if age < 0 or age > max_staleness:
+            stats.dropped += 1
+            continue
+        if lineage is not None and r.policy_version not in lineage:
+            stats.off_lineage += 1
             stats.dropped += 1
             continue
         kept.append(r)

@@ -45,6 +45,19 @@ def list_versions(engine: Engine) -> list[PolicyVersionRow]:
         return rows
 
 
+def lineage(engine: Engine, version: str) -> list[str]:
+    """``version`` and its ancestors by ``parent_id``, newest first (a version rolled back and never
+    built on is no one's ancestor)."""
+    with transaction(engine) as db:
+        parents = dict(db.execute(select(PolicyVersionRow.version_id, PolicyVersionRow.parent_id)).tuples().all())
+    out: list[str] = []
+    current: str | None = version
+    while current is not None and current not in out:
+        out.append(current)
+        current = parents.get(current)
+    return out
+
+
 def record_version(
     engine: Engine,
     *,

@@ -55,7 +55,9 @@ def db(tmp_path: Path) -> Iterator[tuple[str, Engine]]:
     engine.dispose()
 
 
-def _group_events(tag: str, user: str = "dev-001", k: int = 4) -> tuple[list[dict[str, Any]], list[str]]:
+def _group_events(
+    tag: str, user: str = "dev-001", k: int = 4, version: str = "v0000"
+) -> tuple[list[dict[str, Any]], list[str]]:
     """``k`` stored candidates of one group, as the benchmark builds them (tokens, logprobs, ids)."""
     from policy.rollouts import Rollout
 
@@ -66,7 +68,7 @@ def _group_events(tag: str, user: str = "dev-001", k: int = 4) -> tuple[list[dic
         rollout = Rollout(prompt_ids=[0, 5, 6], completion_ids=[7, 8 + i, 0], reward=0.0,
                           served_logprobs=np.array([-0.5, -0.25, -0.1]))  # fmt: skip
         body = "return x" + " + 0" * i
-        events.append(ablation.session_event(sid, user, at, "v0000", f"grp-{tag}", i, rollout, "# f\n", body))
+        events.append(ablation.session_event(sid, user, at, version, f"grp-{tag}", i, rollout, "# f\n", body))
     return events, ids
 
 
@@ -318,11 +320,14 @@ def _tiny_v0(engine: Engine, tmp_path: Path) -> Path:
     return Path(v0)
 
 
-def _picked_groups(engine: Engine, labeled: str, tags: str = "abcd") -> dict[str, list[str]]:
-    """A stored group of four per tag; the user picked one of each group whose tag is in ``labeled``."""
+def _picked_groups(
+    engine: Engine, labeled: str, tags: str = "abcd", served_by: dict[str, str] | None = None
+) -> dict[str, list[str]]:
+    """A stored group of four per tag (served by v0000 unless ``served_by`` names another version); the
+    user picked one of each group whose tag is in ``labeled``."""
     groups = {}
     for tag in tags:
-        events, ids = _group_events(tag)
+        events, ids = _group_events(tag, version=(served_by or {}).get(tag, "v0000"))
         _store(engine, events)
         if tag in labeled:
             picked = [Signal(1.0, "candidates.shown", 0, {}), Signal(20.0, "candidate.selected", 1, {})]
@@ -599,3 +604,33 @@ def test_max_staleness_decides_whether_an_update_waits_for_old_labels(db: tuple[
     waiting = update(3)
     assert {sid for batch in waiting.plan for sid, _ in batch} == {f"s-{t}-{i}" for t in "ab" for i in range(4)}
     assert ablation.policy_config(ablation.parse_args([])[0], 0).max_staleness == PolicyConfig().max_staleness
+
+
+def test_an_update_leaves_out_the_sessions_of_a_version_rolled_back_beside_its_line(
+    db: tuple[str, Engine], tmp_path: Path
+) -> None:
+    """v0001 was rolled back and v0002 trained from v0000 instead: an update from v0002 trains on the
+    sessions of v0002 and v0000, not on those v0001 served (within the staleness limit, but off the
+    line the policy follows), and its metrics count them; ``rl_lineage_only = False`` takes them."""
+    from policy.production import ProductionSession, TrainRequest
+    from policy.versions import lineage, record_version
+
+    url, engine = db
+    ckpt = _tiny_v0(engine, tmp_path)
+    record_version(engine, version="v0001", parent="v0000", step=1, checkpoint_path=ckpt, metrics={})
+    record_version(engine, version="v0002", parent="v0000", step=1, checkpoint_path=ckpt, metrics={})
+    assert lineage(engine, "v0002") == ["v0002", "v0000"] and lineage(engine, "v0001") == ["v0001", "v0000"]
+    groups = _picked_groups(engine, labeled="abc", tags="abc", served_by={"a": "v0001", "b": "v0002"})
+    request = TrainRequest(base_version="v0002", steps=4, groups_per_step=3, eval=dict(ablation.NO_EVAL))
+    request = replace(request, now=ablation.T0 + timedelta(hours=1))
+    labels_only = RewardsConfig(rl_reward="labels")
+
+    def trained(cfg: PolicyConfig) -> tuple[set[str], ProductionSession]:
+        session = ProductionSession(cfg, labels_only, url, tmp_path / "home", request)
+        return {sid for batch in session.plan for sid, _ in batch}, session
+
+    on_line, session = trained(PolicyConfig(max_staleness=4))
+    assert on_line == set(groups["b"]) | set(groups["c"])
+    assert session.stale.off_lineage == 4 and session.stale.dropped == 4
+    every, session = trained(PolicyConfig(max_staleness=4, rl_lineage_only=False))
+    assert every == set(groups["a"]) | set(groups["b"]) | set(groups["c"]) and session.stale.off_lineage == 0

@@ -104,6 +104,10 @@ def test_stale_samples_are_dropped_and_counted() -> None:
     assert [r.policy_version for r in kept] == [10, 9, 7]
     assert stats.dropped == 3 and stats.unknown == 1 and stats.max == 3 and stats.mean == pytest.approx(4 / 3)
     assert version_number("v0012") == 12 and version_number("main") is None and version_number(None) is None
+    # v9 was rolled back beside the line 10 <- 8 <- 7: its rollouts drop with the stale ones, counted apart
+    kept, stats = filter_stale(rollouts, current=10, max_staleness=3, lineage={10, 8, 7})
+    assert [r.policy_version for r in kept] == [10, 7]
+    assert stats.dropped == 4 and stats.off_lineage == 1 and stats.unknown == 1 and stats.mean == pytest.approx(3 / 2)
 
 
 def _store_session(engine, sid: str, model, prompt: list[int], completion: list[int], version: str) -> None:  # type: ignore[no-untyped-def]
