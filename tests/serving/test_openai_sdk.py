@@ -286,17 +286,33 @@ def test_finished_streams_reuse_one_connection_to_the_engine(stack: Stack) -> No
     assert len(seen) == 1, f"each finished stream went back to the pool, got connections from ports {seen}"
 
 
+def _seed_that_runs_to_the_limit(stack: Stack, body: dict[str, Any], tries: int = 200) -> int:
+    """A seed whose answer to ``body`` runs to ``max_tokens`` (the tiny model often samples its end
+    of turn within a few tokens, and a stream that ended by itself was not abandoned)."""
+    for seed in range(tries):
+        answer = httpx.post(
+            stack.url + "/v1/chat/completions",
+            json={**body, "seed": seed, "stream": False},
+            headers={"x-session-id": f"probe-{uuid.uuid4().hex[:8]}"},
+            timeout=60,
+        ).json()
+        if answer["choices"][0]["finish_reason"] == "length":
+            return seed
+    raise AssertionError(f"none of {tries} seeds ran to max_tokens={body['max_tokens']}")
+
+
 def test_an_abandoned_stream_stops_generation_and_is_recorded(stack: Stack) -> None:
-    aborted = _engine_counter(stack.engine_url, "vllm:request_success_total", "abort")
-    tokens_before = _engine_counter(stack.engine_url, "vllm:generation_tokens_total")
-    session = f"gone-{uuid.uuid4().hex[:8]}"
-    body = {
+    body: dict[str, Any] = {
         "model": MODEL,
         "messages": [{"role": "user", "content": "def loop():"}],
         "max_tokens": 400,
-        "stream": True,
         "stop": ["\x00never"],
     }
+    # Seeded sampling is deterministic, so with this seed the engine ends early only if the client leaves.
+    body.update(seed=_seed_that_runs_to_the_limit(stack, body), stream=True)
+    aborted = _engine_counter(stack.engine_url, "vllm:request_success_total", "abort")
+    tokens_before = _engine_counter(stack.engine_url, "vllm:generation_tokens_total")
+    session = f"gone-{uuid.uuid4().hex[:8]}"
     received = 0
     with httpx.stream(
         "POST", stack.url + "/v1/chat/completions", json=body, headers={"x-session-id": session}, timeout=60
