@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -103,7 +103,7 @@ def _example(
 def transcripts(
     tasks: Sequence[Task],
     seed: int,
-    mixes: dict[int, tuple[float, float, float]],
+    mixes: Mapping[int, tuple[float, float, float]],
     *,
     cfg: AgentEvalConfig | None = None,
     max_attempts: int = 3,
@@ -144,7 +144,7 @@ def agent_examples(
     tokenizer: PreTrainedTokenizerBase,
     tasks: Sequence[Task],
     seed: int,
-    mixes: dict[int, tuple[float, float, float]],
+    mixes: Mapping[int, tuple[float, float, float]],
     *,
     cfg: AgentEvalConfig | None = None,
     max_attempts: int = 3,
@@ -160,7 +160,10 @@ def agent_examples(
 
 
 def transcript_texts(
-    tokenizer: PreTrainedTokenizerBase, tasks: Sequence[Task], seed: int, mixes: dict[int, tuple[float, float, float]]
+    tokenizer: PreTrainedTokenizerBase,
+    tasks: Sequence[Task],
+    seed: int,
+    mixes: Mapping[int, tuple[float, float, float]],
 ) -> list[str]:
     """Each request of the scripted sessions with its reply, rendered by ``tokenizer``'s chat template
     as text (only the template is used: any Undertow tokenizer renders the same text)."""

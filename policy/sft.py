@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -30,7 +30,10 @@ from policy.tokenizer import default_tokenizer
 log = structlog.get_logger(__name__)
 
 MIXES: dict[int, tuple[float, float, float]] = {1: (0.35, 0.35, 0.30), 2: (0.25, 0.45, 0.30), 3: (0.2, 0.5, 0.3)}
-"""Per tier: probability of a concise, verbose and wrong solution in the warm-up corpus."""
+"""Per tier: probability of a concise, verbose and wrong solution in the warm-up corpus (and in the
+transcripts the presets' tokenizer is trained on)."""
+
+Mixes = Mapping[int, tuple[float, float, float]]
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,8 @@ class SFTConfig:
     agent_tasks: int = 600
     """Training tasks given a scripted agent session (a fixed, seeded sample)."""
     agent_batch_size: int = 8
+    mixes: Mixes | None = None
+    """The corpus's mix of concise, verbose and wrong solutions per tier (None: :data:`MIXES`)."""
 
 
 def encode_example(tokenizer: PreTrainedTokenizerBase, task: Task, body: str) -> tuple[list[int], int]:
@@ -67,12 +72,12 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, task: Task) -> list[int]:
     return [int(tokenizer.eos_token_id), *tokenizer.encode(task.prompt, add_special_tokens=False)]
 
 
-def build_corpus(tasks: list[Task], seed: int) -> list[tuple[Task, str, str]]:
-    """One ``(task, body, kind)`` per task, ``kind`` in concise/verbose/wrong, per :data:`MIXES`."""
+def build_corpus(tasks: list[Task], seed: int, mixes: Mixes = MIXES) -> list[tuple[Task, str, str]]:
+    """One ``(task, body, kind)`` per task, ``kind`` in concise/verbose/wrong, per ``mixes``."""
     rng = random.Random(seed)
     out = []
     for task in tasks:
-        concise, verbose, _ = MIXES[task.tier]
+        concise, verbose, _ = mixes[task.tier]
         u = rng.random()
         if u < concise:
             out.append((task, task.concise, "concise"))
@@ -123,7 +128,8 @@ def warmup(cfg: SFTConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, di
     """Train v0 from scratch; returns the model, its tokenizer and summary metrics."""
     tokenizer = default_tokenizer()
     model = build_model(cfg.preset, len(tokenizer), cfg.seed)
-    corpus = build_corpus(train_tasks(), cfg.seed)
+    mixes = MIXES if cfg.mixes is None else cfg.mixes
+    corpus = build_corpus(train_tasks(), cfg.seed, mixes)
     examples = [encode_example(tokenizer, task, body) for task, body, _ in corpus]
     rng = random.Random(cfg.seed + 1)
     agent: list[tuple[list[int], list[bool]]] = []
@@ -131,7 +137,7 @@ def warmup(cfg: SFTConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, di
         from policy.agent_sft import agent_examples
 
         chosen = random.Random(cfg.seed + 2).sample(train_tasks(), min(cfg.agent_tasks, len(train_tasks())))
-        agent = agent_examples(tokenizer, chosen, cfg.seed + 3, MIXES)
+        agent = agent_examples(tokenizer, chosen, cfg.seed + 3, mixes)
     agent_order: list[int] = []
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     pad = int(tokenizer.pad_token_id)

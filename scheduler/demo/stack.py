@@ -17,6 +17,7 @@ this process read the same settings.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import shutil
@@ -31,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from scheduler.settings import Settings
 
 log = structlog.get_logger(__name__)
@@ -38,10 +41,17 @@ V0_ID = "v0000"
 
 
 def v0_cache(
-    settings: Settings, cache_root: Path, *, sft_steps: int, eval_cfg: Any, agent_every: int = 0
+    settings: Settings,
+    cache_root: Path,
+    *,
+    sft_steps: int,
+    eval_cfg: Any,
+    agent_every: int = 0,
+    mixes: Mapping[int, tuple[float, float, float]] | None = None,
 ) -> tuple[Path, dict[str, Any]]:
     """The cached v0 checkpoint and its held-out metrics; trained (warm-up, every ``agent_every``-th
-    step on agent transcripts) and evaluated when missing."""
+    step on agent transcripts, the corpus mixed per ``mixes``, None: :data:`policy.sft.MIXES`) and
+    evaluated when missing."""
     from policy.evaluate import evaluate
     from policy.model import PRESETS_REVISION, save_checkpoint
     from policy.sft import SFTConfig, warmup
@@ -53,6 +63,9 @@ def v0_cache(
         f"-eval{eval_cfg.per_tier}x{eval_cfg.samples_per_task}a{eval_cfg.agent_per_tier}x{eval_cfg.agent_samples}"
         f"-tok{REVISION}-m{PRESETS_REVISION}"
     )
+    if mixes is not None:
+        mix = json.dumps(sorted((int(k), list(v)) for k, v in mixes.items()))
+        key += "-mix" + hashlib.sha256(mix.encode()).hexdigest()[:8]
     path = cache_root / key
     meta = path / "demo_metrics.json"
     if meta.exists():
@@ -63,7 +76,7 @@ def v0_cache(
     # the warm-up runs before the stack starts: every core is free for it
     torch.set_num_threads(max(cfg.threads, os.cpu_count() or 1))
     log.info("demo.v0_warmup", steps=sft_steps, cache=str(path))
-    sft = SFTConfig(preset=cfg.preset, seed=cfg.seed, steps=sft_steps, agent_every=agent_every)
+    sft = SFTConfig(preset=cfg.preset, seed=cfg.seed, steps=sft_steps, agent_every=agent_every, mixes=mixes)
     try:
         model, tokenizer, metrics = warmup(sft)
         metrics.update(evaluate(model, tokenizer, eval_cfg))
