@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -30,6 +30,9 @@ from policy.chat_template import IM_END
 from policy.checker import CheckResult, check_many
 from policy.tasks import Task
 from policy.windows import SUMMARY_TEXT
+
+if TYPE_CHECKING:
+    from policy.sft import Mixes
 
 Example = tuple[list[int], list[bool]]
 """Token ids and the loss mask (True on the tokens trained)."""
@@ -103,7 +106,7 @@ def _example(
 def transcripts(
     tasks: Sequence[Task],
     seed: int,
-    mixes: Mapping[int, tuple[float, float, float]],
+    mixes: Mixes,
     *,
     cfg: AgentEvalConfig | None = None,
     max_attempts: int = 3,
@@ -144,7 +147,7 @@ def agent_examples(
     tokenizer: PreTrainedTokenizerBase,
     tasks: Sequence[Task],
     seed: int,
-    mixes: Mapping[int, tuple[float, float, float]],
+    mixes: Mixes,
     *,
     cfg: AgentEvalConfig | None = None,
     max_attempts: int = 3,
@@ -163,7 +166,7 @@ def transcript_texts(
     tokenizer: PreTrainedTokenizerBase,
     tasks: Sequence[Task],
     seed: int,
-    mixes: Mapping[int, tuple[float, float, float]],
+    mixes: Mixes,
 ) -> list[str]:
     """Each request of the scripted sessions with its reply, rendered by ``tokenizer``'s chat template
     as text (only the template is used: any Undertow tokenizer renders the same text)."""

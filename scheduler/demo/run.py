@@ -52,8 +52,8 @@ DEMO_MIXES: dict[int, tuple[float, float, float]] = {
 }
 """The demo's warm-up corpus: 15% wrong solutions per tier where :data:`policy.sft.MIXES` has 30%. With
 30%, v0's held-out true utility is a draw of 20 to 26% on an AVX2 machine (seeds 0 to 2), and its updates
-gained about a point each (+3.5 in a run); with 15%, 30.3% and runs of +7.7 and +14.7 there
-(docs/BENCHMARKS.md). The tokenizer and the ablation keep :data:`policy.sft.MIXES`."""
+gained about a point each (+3.5 in a run); with 15%, v0 at 43.2% and runs of +13.0, +13.5 and +18.4
+there (docs/BENCHMARKS.md). The tokenizer and the ablation keep :data:`policy.sft.MIXES`."""
 
 
 @dataclass

@@ -32,8 +32,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
-
+    from policy.sft import Mixes
     from scheduler.settings import Settings
 
 log = structlog.get_logger(__name__)
@@ -47,7 +46,7 @@ def v0_cache(
     sft_steps: int,
     eval_cfg: Any,
     agent_every: int = 0,
-    mixes: Mapping[int, tuple[float, float, float]] | None = None,
+    mixes: Mixes | None = None,
 ) -> tuple[Path, dict[str, Any]]:
     """The cached v0 checkpoint and its held-out metrics; trained (warm-up, every ``agent_every``-th
     step on agent transcripts, the corpus mixed per ``mixes``, None: :data:`policy.sft.MIXES`) and
