@@ -143,7 +143,10 @@ class DeployConfig(BaseModel):
     by Fisher's exact test on the request counts (where the metrics source counts them) at the level
     of ``gate_acceptance_z`` (one-sided)."""
     gate_max_latency_ratio: float = Field(default=1.5, gt=0)
-    """Largest allowed ratio of the new version's p50 latency to the current one's."""
+    """Largest allowed ratio of the new version's p50 latency to the current one's, the current one's
+    taken over the requests it served since the new version's first (where it served enough of them,
+    :func:`serving.deploy.same_window`), so that load on the machine during the stage counts on both
+    sides."""
     gate_max_acceptance_drop: float = Field(default=0.05, ge=0)
     """Largest allowed drop of the acceptance proxy (accepts over accepts plus rejects)."""
     gate_max_truncation_rise: float = Field(default=0.1, ge=0)

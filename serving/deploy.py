@@ -55,7 +55,8 @@ from serving.tables import DeploymentRow, DeploymentStageRow
 log = structlog.get_logger(__name__)
 
 MetricsSource = Callable[[], Awaitable[dict[str, Any]]]
-"""Returns ``{"versions": {version: {requests, errors, error_rate, latency_ms_p50, acceptance}}}``."""
+"""Returns ``{"versions": {version: {requests, errors, error_rate, latency_ms_p50, latency_ms_p50_since,
+acceptance, ...}}}`` (:meth:`serving.gateway.Gateway.metrics`)."""
 
 GuardCheck = Callable[[str, str], HackingReport]
 """``(new version, old version)`` -> the reward-hacking guard's verdict on promoting the new one."""
@@ -159,7 +160,8 @@ def health(new: dict[str, Any], old: dict[str, Any], config: DeployConfig, *, fi
     if old.get("latency_ms_p50") and new.get("latency_ms_p50"):
         ratio = new["latency_ms_p50"] / old["latency_ms_p50"]
         if ratio > config.gate_max_latency_ratio:
-            return f"p50 latency is {ratio:.2f}x the current version's (limit {config.gate_max_latency_ratio}x)"
+            when = " over the same stretch of time" if "latency_ms_p50_all" in old else ""
+            return f"p50 latency is {ratio:.2f}x the current version's{when} (limit {config.gate_max_latency_ratio}x)"
     for rate, limit, what in (
         ("truncation_rate", config.gate_max_truncation_rise, "answers cut at the token limit"),
         ("malformed_tool_call_rate", config.gate_max_malformed_tool_rise, "answers with a malformed tool call"),
@@ -180,6 +182,24 @@ def health(new: dict[str, Any], old: dict[str, Any], config: DeployConfig, *, fi
                 f"limit {1.0 / limit:.2f}x to {limit:.2f}x)"
             )
     return None
+
+
+MIN_PAIRED_LATENCIES = 8
+"""Requests the current version must have served since the new version's first one before the gate
+compares the two versions' latencies over that stretch of time alone (:func:`same_window`)."""
+
+
+def same_window(old: dict[str, Any] | None, new_v: str) -> dict[str, Any] | None:
+    """The current version's metrics with its p50 latency taken over the new version's stretch of time
+    (``latency_ms_p50_since``, :func:`serving.gateway.paired_latency`) where it served at least
+    :data:`MIN_PAIRED_LATENCIES` requests in it; its p50 over everything it retains stays as
+    ``latency_ms_p50_all``. A canary served while an update trains beside the engines is then compared
+    with what the current version's users saw under the same load, not with its calm hours: a 2-core
+    demo machine rolled back a healthy canary at 3.13x the current version's all-time p50."""
+    paired = ((old or {}).get("latency_ms_p50_since") or {}).get(new_v)
+    if old is None or not paired or int(paired.get("n") or 0) < MIN_PAIRED_LATENCIES:
+        return old
+    return {**old, "latency_ms_p50": paired["p50"], "latency_ms_p50_all": old.get("latency_ms_p50")}
 
 
 def length_shift(new: dict[str, Any], old: dict[str, Any]) -> tuple[float, float] | None:
@@ -332,7 +352,7 @@ async def _wait_gate(
         if metrics is None:
             return True, "passed", {}
         snap = (await metrics()).get("versions", {})
-        new, old = snap.get(new_v), snap.get(old_v)
+        new, old = snap.get(new_v), same_window(snap.get(old_v), new_v)
         served = bool(new) and new.get("requests", 0) >= config.gate_min_requests
         unhealthy = health(new, old or {}, config, final=False) if served else None
         if unhealthy is not None:  # fails now, before users judged it (on overwhelming evidence only)

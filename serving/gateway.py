@@ -27,8 +27,9 @@ replicas, whole or streamed.
 - ``POST /v1/signals``: an editor's signal (accept/reject, retention, selection, switch,
   thumbs, ...) is validated against the wire schema, checked by :mod:`serving.trust` (not dated
   in the future, from the session's own user, each ``event_id`` once) and forwarded to Kafka.
-- ``GET /gateway/metrics``: per-version request counts, error rates, latency and the
-  acceptance proxy, which the deployer's gate reads. In it, one user's signals count at most
+- ``GET /gateway/metrics``: per-version request counts, error rates, latency (also over the stretch of
+  time since each other version's first request, :func:`paired_latency`) and the acceptance proxy,
+  which the deployer's gate reads. In it, one user's signals count at most
   ``gate_signals_per_user`` times per version and the most extreme users are trimmed
   (``gate_trim_users``): a handful of accounts cannot carry the gate. A multi-turn session whose
   turns several versions served (a canary rolled back mid-session) judges none of them
@@ -144,6 +145,9 @@ class VersionStats:
     requests: int = 0
     errors: int = 0
     latencies_ms: deque[float] = field(default_factory=lambda: deque(maxlen=2000))
+    served_at: deque[float] = field(default_factory=lambda: deque(maxlen=2000))
+    """When each of ``latencies_ms`` ended (``time.monotonic()``), so that two versions' latencies can be
+    compared over the same stretch of time (:func:`paired_latency`)."""
     accepts: float = 0.0
     judged: int = 0
     per_user: dict[str, list[float]] = field(default_factory=dict)
@@ -524,6 +528,7 @@ class Gateway:
         stats = self.stats[version]
         stats.requests += 1
         stats.latencies_ms.append(latency_ms)
+        stats.served_at.append(time.monotonic())
 
     def _headers(self, req: turns.Request) -> dict[str, str]:
         headers = {"x-undertow-policy-version": req.version, "x-undertow-session-id": req.base_id}
@@ -703,13 +708,34 @@ class Gateway:
 
     def metrics(self) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "versions": {v: s.summary() for v, s in self.stats.items()},
+            "versions": {v: {**s.summary(), **paired_latency(v, self.stats)} for v, s in self.stats.items()},
             "errors": dict(self.errors),
             "unjudged": dict(self.unjudged),
         }
         if self.emitter is not None:
             out["telemetry"] = self.emitter.snapshot()
         return out
+
+
+def paired_latency(version: str, stats: dict[str, VersionStats]) -> dict[str, Any]:
+    """``{"latency_ms_p50_since": {other: {"p50": ms, "n": count}}}``: the p50 latency of ``version``'s
+    requests that ended since each other version's first retained request, where there were any.
+
+    A canary's latencies all come from its own stage, while the current version's reach back to calm
+    hours; on a machine where an update trains beside the engines, the canary's stage is the loaded
+    one, and comparing the two p50s as they are blames the new version for the load. The deployer
+    compares the canary with the current version's requests of the same stretch of time
+    (:func:`serving.deploy.same_window`)."""
+    own = stats[version]
+    since: dict[str, dict[str, float | int]] = {}
+    for other, theirs in stats.items():
+        if other == version or not theirs.served_at or not own.served_at:
+            continue
+        start = theirs.served_at[0]
+        window = sorted(ms for ms, at in zip(own.latencies_ms, own.served_at, strict=True) if at >= start)
+        if window:
+            since[other] = {"p50": window[len(window) // 2], "n": len(window)}
+    return {"latency_ms_p50_since": since} if since else {}
 
 
 def _kind(status: int) -> str:

@@ -13,7 +13,16 @@ from serving_helpers import CONTROL_TOKEN
 
 from serving import fleet
 from serving.config import DeployConfig, FleetConfig, GatewayConfig
-from serving.deploy import gate, health, length_shift, rollout, stage_sizes, stratified_drop
+from serving.deploy import (
+    MIN_PAIRED_LATENCIES,
+    gate,
+    health,
+    length_shift,
+    rollout,
+    same_window,
+    stage_sizes,
+    stratified_drop,
+)
 from serving.gateway import Gateway, create_gateway_app, health_loop, registry_source
 from serving.launch import ServerThread
 
@@ -153,6 +162,72 @@ def test_degenerate_canary_rolls_back_before_anyone_judged_it(registry, versions
     assert result.status == "rolled_back" and "token limit rose from 0.050 to 1.000" in result.message
     assert time.monotonic() - started < cfg.gate_max_wait_s  # judged now, not at the deadline
     assert fleet.get_target(registry).version == "v0"  # type: ignore[union-attr]
+
+
+async def _no_replicas() -> list[fleet.Replica]:
+    return []
+
+
+def _loaded_canary(canary_ms: float) -> Gateway:
+    """A gateway's counts: the current version v0 served 300 requests in calm hours (10 ms), then a
+    canary stage under load on the machine (an update training beside the engines), where v0 takes
+    30 ms and the canary v1 ``canary_ms``, interleaved as a split of traffic serves them."""
+    gw = Gateway(_no_replicas, None, GatewayConfig(), "undertow-policy")
+    for _ in range(300):
+        gw._count("v0", 10.0)
+    for i in range(24):
+        gw._count("v1", canary_ms + i % 3)
+        gw._count("v0", 30.0 + i % 3)
+    return gw
+
+
+@pytest.mark.parametrize(("canary_ms", "passes"), [(33.0, True), (90.0, False)], ids=["same-load", "slow"])
+def test_the_latency_gate_compares_the_canary_with_the_same_stretch_of_time(  # type: ignore[no-untyped-def]
+    registry, versions, canary_ms: float, passes: bool
+) -> None:
+    """A 2-core demo machine rolled back a healthy canary at 3.13x the current version's p50, which
+    reached back to hours without an update training beside the engines. Over the canary's stretch of
+    time the current version is as slow: a canary as fast as it is rolled out, one 3x slower than it
+    under the same load is still rolled back (over everything v0 retains, both were over 1.5x)."""
+    gw = _loaded_canary(canary_ms)
+    snap = gw.metrics()["versions"]
+    assert snap["v0"]["latency_ms_p50"] == 10.0  # the all-time p50: calm hours dominate
+    assert snap["v0"]["latency_ms_p50_since"]["v1"] == {"p50": 31.0, "n": 24}
+    assert snap["v1"]["latency_ms_p50_since"]["v0"] == {"p50": canary_ms + 1, "n": 24}
+    cfg = DeployConfig(canary_replicas=1, stages=[1.0], gate_min_requests=16, gate_max_wait_s=5.0)
+
+    async def metrics():  # type: ignore[no-untyped-def]
+        return gw.metrics()
+
+    result = asyncio.run(rollout(registry, "v1", versions.hashes["v1"], cfg, metrics=metrics, fleet_config=FLEET))
+    if passes:
+        assert result.status == "succeeded", result.message
+        assert fleet.get_target(registry).version == "v1"  # type: ignore[union-attr]
+    else:
+        assert result.status == "rolled_back", result.message
+        assert "p50 latency is 2.94x the current version's over the same stretch of time" in result.message
+        assert fleet.get_target(registry).version == "v0"  # type: ignore[union-attr]
+
+
+def test_too_few_requests_of_the_current_version_in_the_canarys_time_keep_its_overall_p50() -> None:
+    """Fewer than MIN_PAIRED_LATENCIES of the current version's requests since the canary's first: a p50
+    of a handful is noise, so the gate keeps the current version's p50 over everything it retains."""
+    gw = Gateway(_no_replicas, None, GatewayConfig(), "undertow-policy")
+    for _ in range(100):
+        gw._count("v0", 10.0)
+    for _ in range(MIN_PAIRED_LATENCIES - 1):
+        gw._count("v1", 30.0)
+        gw._count("v0", 30.0)
+    gw._count("v1", 30.0)
+    snap = gw.metrics()["versions"]
+    assert snap["v0"]["latency_ms_p50_since"]["v1"]["n"] == MIN_PAIRED_LATENCIES - 1
+    assert same_window(snap["v0"], "v1") == snap["v0"]
+    assert "3.00x the current version's (limit" in (health(snap["v1"], snap["v0"], DeployConfig()) or "")
+    gw._count("v0", 30.0)
+    old = same_window(gw.metrics()["versions"]["v0"], "v1")
+    assert old is not None and old["latency_ms_p50"] == 30.0 and old["latency_ms_p50_all"] == 10.0
+    assert health(snap["v1"], old, DeployConfig()) is None
+    assert same_window(None, "v1") is None and same_window({"latency_ms_p50": 5.0}, "v1") == {"latency_ms_p50": 5.0}
 
 
 def test_replica_killed_mid_update_is_excluded_and_a_behind_one_reconciles(registry, versions, three) -> None:  # type: ignore[no-untyped-def]
