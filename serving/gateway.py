@@ -28,7 +28,7 @@ replicas, whole or streamed.
   thumbs, ...) is validated against the wire schema, checked by :mod:`serving.trust` (not dated
   in the future, from the session's own user, each ``event_id`` once) and forwarded to Kafka.
 - ``GET /gateway/metrics``: per-version request counts, error rates, latency (also over the stretch of
-  time since each other version's first request, :func:`paired_latency`) and the acceptance proxy,
+  time since each newer version's first request, :func:`paired_latency`) and the acceptance proxy,
   which the deployer's gate reads. In it, one user's signals count at most
   ``gate_signals_per_user`` times per version and the most extreme users are trimmed
   (``gate_trim_users``): a handful of accounts cannot carry the gate. A multi-turn session whose
@@ -43,6 +43,7 @@ replicas, whole or streamed.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import itertools
 import math
 import statistics
@@ -718,21 +719,25 @@ class Gateway:
 
 
 def paired_latency(version: str, stats: dict[str, VersionStats]) -> dict[str, Any]:
-    """``{"latency_ms_p50_since": {other: {"p50": ms, "n": count}}}``: the p50 latency of ``version``'s
-    requests that ended since each other version's first retained request, where there were any.
+    """``{"latency_ms_p50_since": {newer: {"p50": ms, "n": count}}}``: the p50 latency of ``version``'s
+    requests that ended since each version that began serving after it served its first retained request,
+    where there were any.
 
     A canary's latencies all come from its own stage, while the current version's reach back to calm
     hours; on a machine where an update trains beside the engines, the canary's stage is the loaded
     one, and comparing the two p50s as they are blames the new version for the load. The deployer
     compares the canary with the current version's requests of the same stretch of time
-    (:func:`serving.deploy.same_window`)."""
+    (:func:`serving.deploy.same_window`). The times are in completion order, so each window is a
+    suffix found by bisection: a version that stopped serving before the newer one began costs nothing."""
     own = stats[version]
+    if not own.served_at:
+        return {}
+    served_at, latencies = list(own.served_at), list(own.latencies_ms)
     since: dict[str, dict[str, float | int]] = {}
     for other, theirs in stats.items():
-        if other == version or not theirs.served_at or not own.served_at:
+        if other == version or not theirs.served_at or theirs.served_at[0] <= served_at[0]:
             continue
-        start = theirs.served_at[0]
-        window = sorted(ms for ms, at in zip(own.latencies_ms, own.served_at, strict=True) if at >= start)
+        window = sorted(latencies[bisect.bisect_left(served_at, theirs.served_at[0]) :])
         if window:
             since[other] = {"p50": window[len(window) // 2], "n": len(window)}
     return {"latency_ms_p50_since": since} if since else {}

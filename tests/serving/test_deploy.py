@@ -193,7 +193,7 @@ def test_the_latency_gate_compares_the_canary_with_the_same_stretch_of_time(  # 
     snap = gw.metrics()["versions"]
     assert snap["v0"]["latency_ms_p50"] == 10.0  # the all-time p50: calm hours dominate
     assert snap["v0"]["latency_ms_p50_since"]["v1"] == {"p50": 31.0, "n": 24}
-    assert snap["v1"]["latency_ms_p50_since"]["v0"] == {"p50": canary_ms + 1, "n": 24}
+    assert "latency_ms_p50_since" not in snap["v1"]  # reported for the versions a newer one began after
     cfg = DeployConfig(canary_replicas=1, stages=[1.0], gate_min_requests=16, gate_max_wait_s=5.0)
 
     async def metrics():  # type: ignore[no-untyped-def]
@@ -228,6 +228,21 @@ def test_too_few_requests_of_the_current_version_in_the_canarys_time_keep_its_ov
     assert old is not None and old["latency_ms_p50"] == 30.0 and old["latency_ms_p50_all"] == 10.0
     assert health(snap["v1"], old, DeployConfig()) is None
     assert same_window(None, "v1") is None and same_window({"latency_ms_p50": 5.0}, "v1") == {"latency_ms_p50": 5.0}
+
+
+def test_paired_latency_is_reported_against_newer_versions_while_both_served() -> None:
+    """v0 stopped serving when v1 began, and v1 served once beside v2: v0 has no window (nothing it served
+    overlaps a newer version), v1 has one against v2 only, and the newest version none."""
+    gw = Gateway(_no_replicas, None, GatewayConfig(), "undertow-policy")
+    for _ in range(10):
+        gw._count("v0", 10.0)
+    for _ in range(10):
+        gw._count("v1", 20.0)
+    gw._count("v2", 30.0)
+    gw._count("v1", 25.0)
+    snap = gw.metrics()["versions"]
+    assert "latency_ms_p50_since" not in snap["v0"] and "latency_ms_p50_since" not in snap["v2"]
+    assert snap["v1"]["latency_ms_p50_since"] == {"v2": {"p50": 25.0, "n": 1}}
 
 
 def test_replica_killed_mid_update_is_excluded_and_a_behind_one_reconciles(registry, versions, three) -> None:  # type: ignore[no-untyped-def]
