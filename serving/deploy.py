@@ -196,8 +196,10 @@ def same_window(old: dict[str, Any] | None, new_v: str) -> dict[str, Any] | None
     ``latency_ms_p50_all``. A canary served while an update trains beside the engines is then compared
     with what the current version's users saw under the same load, not with its calm hours: a 2-core
     demo machine rolled back a healthy canary at 3.13x the current version's all-time p50."""
-    paired = ((old or {}).get("latency_ms_p50_since") or {}).get(new_v)
-    if old is None or not paired or int(paired.get("n") or 0) < MIN_PAIRED_LATENCIES:
+    if not old:
+        return old
+    paired = (old.get("latency_ms_p50_since") or {}).get(new_v)
+    if not paired or int(paired.get("n") or 0) < MIN_PAIRED_LATENCIES:
         return old
     return {**old, "latency_ms_p50": paired["p50"], "latency_ms_p50_all": old.get("latency_ms_p50")}
 

@@ -732,15 +732,20 @@ def paired_latency(version: str, stats: dict[str, VersionStats]) -> dict[str, An
     own = stats[version]
     if not own.served_at:
         return {}
+    first, last = own.served_at[0], own.served_at[-1]
+    starts = {
+        other: theirs.served_at[0]
+        for other, theirs in stats.items()
+        if other != version and theirs.served_at and first < theirs.served_at[0] <= last
+    }
+    if not starts:  # no newer version served while this one did: nothing copied or sorted
+        return {}
     served_at, latencies = list(own.served_at), list(own.latencies_ms)
     since: dict[str, dict[str, float | int]] = {}
-    for other, theirs in stats.items():
-        if other == version or not theirs.served_at or theirs.served_at[0] <= served_at[0]:
-            continue
-        window = sorted(latencies[bisect.bisect_left(served_at, theirs.served_at[0]) :])
-        if window:
-            since[other] = {"p50": window[len(window) // 2], "n": len(window)}
-    return {"latency_ms_p50_since": since} if since else {}
+    for other, start in starts.items():
+        window = sorted(latencies[bisect.bisect_left(served_at, start) :])
+        since[other] = {"p50": window[len(window) // 2], "n": len(window)}
+    return {"latency_ms_p50_since": since}
 
 
 def _kind(status: int) -> str:

@@ -53,7 +53,7 @@ def v0_cache(
     evaluated when missing."""
     from policy.evaluate import evaluate
     from policy.model import PRESETS_REVISION, save_checkpoint
-    from policy.sft import SFTConfig, warmup
+    from policy.sft import MIXES, SFTConfig, warmup
     from policy.tokenizer import REVISION
 
     cfg = settings.policy
@@ -62,7 +62,7 @@ def v0_cache(
         f"-eval{eval_cfg.per_tier}x{eval_cfg.samples_per_task}a{eval_cfg.agent_per_tier}x{eval_cfg.agent_samples}"
         f"-tok{REVISION}-m{PRESETS_REVISION}"
     )
-    if mixes is not None:
+    if mixes is not None and dict(mixes) != MIXES:  # the default mix keeps the default's key
         mix = json.dumps(sorted((int(k), list(v)) for k, v in mixes.items()))
         key += "-mix" + hashlib.sha256(mix.encode()).hexdigest()[:8]
     path = cache_root / key
