@@ -195,9 +195,11 @@ class RewardsConfig(BaseModel):
     head is judged whatever its hold-out."""
     small_holdout_prefers_more_labels: bool = True
     """Where the bundle's hold-out is too small to tell a candidate from the current version (fewer than
-    ``head_check_min_evidence`` labels of the rarer class plus selection pairs), a candidate over chance
-    that trained on more labeled sessions than the current version replaces it. False: the candidate must
-    still beat the current version's score on that hold-out, so a version promoted early on little data
+    ``head_check_min_evidence`` labels of the rarer class plus selection pairs), a candidate
+    that trained on more labeled sessions than the current version replaces it, and the bundle's chance
+    floor is not judged there either (the current version often scores under it on the same few
+    observations); a first version must still clear the floor. False: the candidate must clear the floor
+    and beat the current version's score on that hold-out, so a version promoted early on little data
     can outlast every retrain on more (its comparisons decided by noise)."""
 
     # Triggers and guards

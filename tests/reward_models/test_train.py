@@ -237,7 +237,8 @@ def test_a_hold_out_too_small_to_tell_two_versions_apart_prefers_the_one_trained
     retrains on 195 to 228 lost to it on a hold-out of a few labels and pairs (0.715 against 0.754, a
     tie at 0.619). On a hold-out under ``head_check_min_evidence`` the version trained on more labels
     replaces the current one; on a hold-out that can tell, or trained on no more, it must still beat
-    it; the chance floor and the heads' checks still refuse; the setting turns the rule off."""
+    it; a head's check that can tell still refuses, and so does the chance floor where the hold-out can
+    tell or no version is promoted yet; the setting turns the rule off."""
     from reward_models.train import _decide
 
     heads = {"retention": object()}
@@ -263,15 +264,28 @@ def test_a_hold_out_too_small_to_tell_two_versions_apart_prefers_the_one_trained
     # metrics of before the bundle's evidence was recorded, or no counts: the old rule
     assert _decide(metrics(0.715, None), heads, current, 0.754, config, n_labeled=195)[0] == (registry.CANDIDATE)
     assert _decide(metrics(0.715, 9), heads, current, 0.754, config)[0] == registry.CANDIDATE
-    # under chance is refused whatever it trained on
+    # the chance floor, too, refuses a replacement only on a hold-out that can tell: an ablation seed kept
+    # its first model while retrains scored 0.37 against its 0.32 on 17 observations, both "under chance"
+    status, reason = _decide(metrics(0.367, 17), heads, current, 0.317, config, n_labeled=189)
+    assert status == registry.PROMOTED and "beats rm-0002" in reason, reason
+    assert "chance floor not judged: 0.367 on 17 observations" in reason, reason
     status, reason = _decide(metrics(0.45, 9), heads, current, 0.754, config, n_labeled=195)
-    assert status == registry.CANDIDATE and "chance" in reason
+    assert status == registry.PROMOTED and "replaces rm-0002" in reason and "chance floor not judged" in reason
+    assert _decide(metrics(0.45, 9), heads, current, 0.754, config, n_labeled=125)[0] == registry.CANDIDATE
+    # on a hold-out that can tell, under chance is refused whatever it trained on; so is a first version
+    # under chance on any hold-out (no model is its fallback), and any under the strict rule
+    status, reason = _decide(metrics(0.45, 40), heads, current, 0.3, config, n_labeled=195)
+    assert status == registry.CANDIDATE and "does not beat chance" in reason
+    status, reason = _decide(metrics(0.45, 9), heads, None, None, config, n_labeled=195)
+    assert status == registry.CANDIDATE and "does not beat chance" in reason
+    off = RewardsConfig(small_holdout_prefers_more_labels=False)
+    status, reason = _decide(metrics(0.367, 17), heads, current, 0.317, off, n_labeled=189)
+    assert status == registry.CANDIDATE and "does not beat chance" in reason
     # a head that fails on a hold-out large enough to tell still refuses
     failing = metrics(0.715, 9)
     failing["retention"] = {"auc": 0.45, "auc_baseline": 0.5, "n": 200, "positive_rate": 0.3}
     status, reason = _decide(failing, heads, current, 0.754, config, n_labeled=195)
     assert status == registry.CANDIDATE and "retention" in reason
-    off = RewardsConfig(small_holdout_prefers_more_labels=False)
     assert _decide(metrics(0.715, 9), heads, current, 0.754, off, n_labeled=195)[0] == (registry.CANDIDATE)
 
 
