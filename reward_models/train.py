@@ -536,8 +536,9 @@ def _decide_bundle(
     lost a coin toss to it. Under that rule the chance floor too needs such a hold-out to refuse a
     version that would replace a current one: an ablation seed kept its first model (108 labeled
     sessions) for 16 rounds while nine retrains on 178 to 247 were refused at 0.21 to 0.43 on 4 to 17
-    observations, where the current model itself scored 0.27 to 0.46 (and ranked its users' kept answers
-    under their verbose ones). The first version must still clear it: no model is its fallback."""
+    observations, on five of which the current model itself scored under chance (0.27 to 0.46); by then
+    it ranked its users' kept answers under their verbose ones. The first version must still clear the
+    floor: no model is its fallback."""
     if bundle["primary"] is None:
         return registry.CANDIDATE, "no hold-out metric for the bundle"
     evidence = bundle.get("evidence")
