@@ -189,8 +189,9 @@ class RewardsConfig(BaseModel):
     """Fewest hold-out observations a head's check against its trivial baseline needs to refuse a
     version: selection pairs for the pairwise head, labels of the rarer class for a pointwise head.
     On fewer the head's metric is noise (4 pairs: a standard error of 0.25), so the head is left
-    unjudged (said in the reason) and the bundle's own checks decide: over chance, and better than
-    the current version on the same hold-out. So is a small hold-out of one class (0 of the rarer,
+    unjudged (said in the reason) and the bundle's own checks decide: better than the current version
+    on the same hold-out, and over chance where no version is promoted yet
+    (``small_holdout_prefers_more_labels``). So is a small hold-out of one class (0 of the rarer,
     no AUC), and a head with nothing held out (no selection pair among the newest sessions). 0: every
     head is judged whatever its hold-out."""
     small_holdout_prefers_more_labels: bool = True
