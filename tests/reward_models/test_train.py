@@ -273,7 +273,7 @@ def test_a_hold_out_too_small_to_tell_two_versions_apart_prefers_the_one_trained
     assert status == registry.PROMOTED and "replaces rm-0002" in reason and "chance floor not judged" in reason
     assert _decide(metrics(0.45, 9), heads, current, 0.754, config, n_labeled=125)[0] == registry.CANDIDATE
     # on a hold-out that can tell, under chance is refused whatever it trained on; so is a first version
-    # under chance on any hold-out (no model is its fallback), and any under the strict rule
+    # under chance on any hold-out (no model is its fallback), and any with the rule turned off
     status, reason = _decide(metrics(0.45, 40), heads, current, 0.3, config, n_labeled=195)
     assert status == registry.CANDIDATE and "does not beat chance" in reason
     status, reason = _decide(metrics(0.45, 9), heads, None, None, config, n_labeled=195)
