@@ -118,6 +118,11 @@ class DemoOptions:
     """Learning rate of the gate drill's update (destructive on purpose)."""
     gate_min_requests: int = 16
     """Requests a new version must serve before its stage is judged."""
+    canary_replicas: int = 2
+    """Replicas a new version's canary stage moves (at most all but one). What bounds the users a bad
+    version reaches is the gate's minimum sample (``gate_min_requests``, ``gate_min_judged``), not the
+    canary's share: two replicas of three reach that sample in about half the time of one, and the
+    canary's wait was most of an update's time (docs/BENCHMARKS.md)."""
     gate_min_judged: int = 6
     """Sessions users must have judged (signals of the acceptance proxy) before a stage is judged: the
     population signals on few sessions, and a canary nobody judged must not pass."""
@@ -171,6 +176,7 @@ def _env(home: Path, opts: DemoOptions, speedup: float) -> dict[str, str]:
         "UNDERTOW_SERVING__GATEWAY_PORT": str(free_port()),
         "UNDERTOW_API__PORT": str(free_port()),
         "UNDERTOW_SERVING__DEPLOY__STAGES": "[1.0]",
+        "UNDERTOW_SERVING__DEPLOY__CANARY_REPLICAS": str(max(1, min(opts.canary_replicas, opts.replicas - 1))),
         "UNDERTOW_SERVING__DEPLOY__GATE_MIN_REQUESTS": str(opts.gate_min_requests),
         "UNDERTOW_SERVING__DEPLOY__GATE_MIN_JUDGED": str(opts.gate_min_judged),
         "UNDERTOW_SERVING__DEPLOY__GATE_MAX_WAIT_S": "120",

@@ -384,3 +384,49 @@ def test_a_head_never_trains_on_the_bundles_hold_out() -> None:
     assert tr["occurred_at"].max() < te["occurred_at"].min()
     (tr, _), (te, _), head_cutoff = head_split(frame, "acceptance", cutoff, config)
     assert head_cutoff == cutoff and len(tr) == 80 and len(te) == 20  # covered everywhere: the bundle's split
+
+
+@pytest.mark.parametrize("prefers_more_labels", [True, False])
+def test_the_registry_serves_the_model_the_small_hold_out_rule_promotes(
+    engine: Engine,
+    synthetic_600: Any,
+    load_events: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    prefers_more_labels: bool,
+) -> None:
+    """End to end through the registry: a first model trained on the older half is promoted and scores.
+    A retrain on every session then meets the ablation seed's case: a hold-out of 17 observations on
+    which the candidate scores 0.367 and the promoted model 0.317, both under chance. The candidate,
+    trained on more labeled sessions, is what the registry serves afterwards; with the rule turned off
+    the chance floor refuses it and the first model keeps scoring."""
+    import reward_models.train as train_mod
+
+    config = RewardsConfig(small_holdout_prefers_more_labels=prefers_more_labels)
+    events, _ = synthetic_600
+    load_events(engine, events)
+    first = train_reward_models(engine, config, tmp_path, now=NOW, until=START + timedelta(days=3))
+    assert first.status == registry.PROMOTED, first.reason
+    assert load_scorer(engine).version == first.version
+
+    real = train_mod.bundle_metrics
+    calls: list[str] = []
+
+    def small_holdout(bundle: RewardBundle, test: pd.DataFrame, pairs: pd.DataFrame, threshold: float) -> Any:
+        out = real(bundle, test, pairs, threshold)  # the candidate is scored first, the promoted model second
+        out.update(primary=0.367 if not calls else 0.317, evidence=17)
+        calls.append(out["primary"])
+        return out
+
+    monkeypatch.setattr(train_mod, "bundle_metrics", small_holdout)
+    second = train_reward_models(engine, config, tmp_path, now=NOW)
+    assert calls == [0.367, 0.317]
+    rows = {r.version: r for r in (registry.get_version(engine, v) for v in (first.version, second.version))}
+    assert rows[second.version].n_labeled > rows[first.version].n_labeled
+    served = load_scorer(engine).version
+    if prefers_more_labels:
+        assert second.status == registry.PROMOTED and "chance floor not judged" in second.reason, second.reason
+        assert served == second.version and registry.current_promoted(engine).version == second.version
+    else:
+        assert second.status == registry.CANDIDATE and "does not beat chance" in second.reason, second.reason
+        assert served == first.version and registry.current_promoted(engine).version == first.version

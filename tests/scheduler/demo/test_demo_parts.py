@@ -281,3 +281,20 @@ def test_no_update_is_submitted_near_the_end_while_the_planner_lends_no_replica(
     assert len(_loop_jobs(engine)) == 1 and len(orch.outcomes) == 2 and orch.inflight is None
     assert orch.poll(left_s=200.0) == "update submitted"  # time enough for the wait and the update
     assert len(_loop_jobs(engine)) == 2
+
+
+def test_the_demo_canary_moves_two_of_three_replicas_and_never_the_whole_pool(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The deployer the demo's settings configure stages a canary of two replicas of three, then the
+    rest; a pool of two (or one) keeps a canary of one, so the current version always serves beside it."""
+    from scheduler.demo.run import DemoOptions, _env
+    from scheduler.settings import load_settings
+    from serving.deploy import stage_sizes
+
+    for replicas, asked, stages in ((3, 2, [2, 3]), (2, 2, [1, 2]), (1, 2, [1]), (3, 1, [1, 3])):
+        env = _env(tmp_path, DemoOptions(replicas=replicas, canary_replicas=asked), 240.0)
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        deploy = load_settings().serving.deploy
+        assert stage_sizes(replicas, deploy) == stages, (replicas, asked)

@@ -42,7 +42,7 @@ def test_rl_run_trains_on_exactly_the_requested_window(
 
     saved = dict(os.environ)
     span_s = 240.0
-    opts = DemoOptions(steps_per_version=2, groups_per_step=2, gate_min_requests=3, population=False)
+    opts = DemoOptions(replicas=2, steps_per_version=2, groups_per_step=2, gate_min_requests=3, population=False)
     os.environ.pop("UNDERTOW_DATABASE_URL", None)
     os.environ.update(_env(tmp_path / "home", opts, 86400.0 / span_s))
     if backend == "postgres":  # the database and the Celery broker on PostgreSQL, migrated as an operator would
@@ -56,7 +56,7 @@ def test_rl_run_trains_on_exactly_the_requested_window(
         settings = load_settings()
         eval_cfg = EvalConfig(per_tier=1, samples_per_task=1)
         v0_path, v0_metrics = v0_cache(settings, tmp_path / "cache", sft_steps=40, eval_cfg=eval_cfg)
-        stack = DemoStack(settings, v0_path, v0_metrics, replicas=2).start()
+        stack = DemoStack(settings, v0_path, v0_metrics, replicas=opts.replicas).start()
         trace = default_trace_path()
         assert trace is not None
         devs = Developers(
