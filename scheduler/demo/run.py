@@ -118,14 +118,14 @@ class DemoOptions:
     """Learning rate of the gate drill's update (destructive on purpose)."""
     gate_min_requests: int = 16
     """Requests a new version must serve before its stage is judged."""
+    gate_min_judged: int = 6
+    """Sessions users must have judged (signals of the acceptance proxy) before a stage is judged: the
+    population signals on few sessions, and a canary nobody judged must not pass."""
     canary_replicas: int = 2
     """Replicas a new version's canary stage moves (at most all but one). What bounds the users a bad
     version reaches is the gate's minimum sample (``gate_min_requests``, ``gate_min_judged``), not the
     canary's share: two replicas of three reach that sample in about half the time of one, and the
     canary's wait was most of an update's time (docs/BENCHMARKS.md)."""
-    gate_min_judged: int = 6
-    """Sessions users must have judged (signals of the acceptance proxy) before a stage is judged: the
-    population signals on few sessions, and a canary nobody judged must not pass."""
     lend_check_s: float = 5.0
     """How often the demo asks the capacity planner whether it would lend a replica (the estimate of an
     update's wait for one)."""
